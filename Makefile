@@ -1,0 +1,30 @@
+# Quick start: `make demo` then `make test`. Both create .venv and install the project first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch/torchvision pinned to the builds this machine's pip takes from local disk
+TORCH_PIN := torch==2.14.1 torchvision==0.29.1
+DEMO_DIR ?= demo_run
+
+.PHONY: venv demo test bench clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) tools/demo.py --folder $(DEMO_DIR)
+
+test: venv
+	$(PY) -m pytest -q -m "not gpu" tests
+
+bench: venv
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

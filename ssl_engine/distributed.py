@@ -1,0 +1,117 @@
+"""Process-group setup and teardown, and the rank helpers the engine uses.
+
+Rank queries reuse classy_vision's distributed_util; this module adds what it lacks:
+initialising the group from a RankInfo, per-rank device and seed, and teardown.
+"""
+
+import datetime
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankInfo:
+    """Where one process sits in the job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    init_method: str = ""  # e.g. tcp://127.0.0.1:29500, file:///tmp/x, env://
+    backend: str = "gloo"
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_primary() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def all_gather_object(obj: Any) -> List[Any]:
+    """The object of every rank, in rank order (one-element list when not distributed)."""
+    if get_world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) of this process."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def device_for(device: str, local_rank: int) -> torch.device:
+    """The torch device of a rank: cuda:<local_rank> on gpu, cpu otherwise."""
+    if device == "gpu":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(info: RankInfo, timeout_minutes: float) -> None:
+    """Join the job's process group (nothing to do for a one-process run)."""
+    if info.world_size <= 1 or dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=info.backend,
+        init_method=info.init_method,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+    log.debug("rank %d/%d joined %s (%s)", info.rank, info.world_size, info.init_method, info.backend)
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def reduce_mean_scalars(values: List[float]) -> List[float]:
+    """Average a few python floats over ranks (one small all_reduce)."""
+    if get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / get_world_size()).tolist()
+
+
+def reduce_max_scalars(values: List[float]) -> List[float]:
+    """Maximum of a few python floats over ranks."""
+    if get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def env_rank_info() -> RankInfo:
+    """RankInfo from torchrun's environment variables."""
+    return RankInfo(
+        rank=int(os.environ["RANK"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        init_method="env://",
+    )

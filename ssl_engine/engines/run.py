@@ -1,0 +1,43 @@
+"""The per-process entry point: set up the process, run the named engine, tear down."""
+
+import logging
+from typing import Any
+
+from ssl_engine import distributed as du
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.distributed import RankInfo
+from ssl_engine.logger import setup_logging
+from ssl_engine.registry import ENGINES
+from ssl_engine.user_modules import import_user_modules
+
+log = logging.getLogger(__name__)
+
+
+def load_builtin_parts() -> None:
+    """Import every module that registers a built-in part."""
+    import ssl_engine.data  # noqa: F401
+    import ssl_engine.engines.extract_features  # noqa: F401
+    import ssl_engine.engines.train  # noqa: F401
+    import ssl_engine.hooks  # noqa: F401
+    import ssl_engine.losses  # noqa: F401
+    import ssl_engine.meters  # noqa: F401
+    import ssl_engine.models  # noqa: F401
+    import ssl_engine.optim  # noqa: F401
+    import ssl_engine.tasks  # noqa: F401
+    import ssl_engine.train_steps  # noqa: F401
+
+
+def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
+    """Run ``cfg.engine_name`` as rank ``info.rank`` of ``info.world_size``."""
+    from ssl_engine import preemption
+
+    setup_logging(info.rank, cfg.CHECKPOINT.DIR, cfg.VERBOSE)
+    load_builtin_parts()
+    import_user_modules(cfg.USER_MODULES)
+    preemption.install()
+    du.init_process_group(info, cfg.DISTRIBUTED.TIMEOUT_MINUTES)
+    try:
+        du.seed_everything(cfg.SEED_VALUE + info.rank)
+        return ENGINES.get(cfg.engine_name)(cfg, info)
+    finally:
+        du.destroy_process_group()

@@ -1,0 +1,69 @@
+"""The train engine: resume or start, then run the phases with the default hooks."""
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from ssl_engine import distributed as du
+from ssl_engine.checkpoint import POINTER, atomic_write_text, final_checkpoint, list_checkpoints, newest_good_checkpoint
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.config.compose import to_yaml
+from ssl_engine.distributed import RankInfo
+from ssl_engine.errors import CheckpointError
+from ssl_engine.hooks import default_hooks
+from ssl_engine.registry import ENGINES
+from ssl_engine.trainer import SelfSupervisionTrainer
+
+log = logging.getLogger(__name__)
+
+
+def clear_finished_run(folder: Path) -> None:
+    """CHECKPOINT.OVERWRITE_EXISTING: remove a finished run's checkpoints and logs (rank 0)."""
+    for p in list_checkpoints(folder):
+        p.unlink()
+    for name in (POINTER, "metrics.json", "stdout.json"):
+        p = folder / name
+        if p.is_symlink() or p.exists():
+            p.unlink()
+    tb = folder / "tb_logs"
+    if tb.is_dir():
+        shutil.rmtree(tb)
+
+
+def resume_checkpoint(cfg: AttrDict) -> Optional[str]:
+    """The checkpoint this run continues from: RESUME_FROM, else the folder's newest good one."""
+    if cfg.CHECKPOINT.RESUME_FROM:
+        path = Path(str(cfg.CHECKPOINT.RESUME_FROM)).expanduser()
+        if not path.is_file():
+            raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
+        return str(path)
+    if not cfg.CHECKPOINT.AUTO_RESUME:
+        return None
+    found = newest_good_checkpoint(Path(cfg.CHECKPOINT.DIR))
+    return str(found[0]) if found else None
+
+
+@ENGINES.register("train")
+def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
+    folder = Path(cfg.CHECKPOINT.DIR)
+    finished = final_checkpoint(folder)
+    if finished is not None and not cfg.CHECKPOINT.RESUME_FROM:
+        if not cfg.CHECKPOINT.OVERWRITE_EXISTING:
+            log.info(
+                "training in %s has finished (%s exists); nothing to do. "
+                "Set config.CHECKPOINT.OVERWRITE_EXISTING=true to train again.", folder, finished.name,
+            )
+            return None
+        if du.is_primary():
+            log.warning("CHECKPOINT.OVERWRITE_EXISTING: removing the finished run's checkpoints in %s", folder)
+            clear_finished_run(folder)
+        du.barrier()
+    checkpoint_path = resume_checkpoint(cfg)
+    if du.is_primary():
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / "train_config.yaml", to_yaml(cfg))
+    trainer = SelfSupervisionTrainer(
+        cfg, info.init_method, checkpoint_path, str(folder), default_hooks(cfg), local_rank=info.local_rank
+    )
+    return trainer.train()

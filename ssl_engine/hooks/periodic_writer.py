@@ -1,0 +1,139 @@
+"""PeriodicWriterHook: every LOG_FREQUENCY iterations, gather the training stats and hand
+them to pluggable writers (console line, stdout.json, TensorBoard).
+
+The loss is kept on the device between log steps (no per-step sync). In multi-rank runs
+the logged loss is averaged over ranks and the data time is the max over ranks.
+"""
+
+import datetime
+import json
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ssl_engine import distributed as du
+from ssl_engine.hooks.base import Priority, SSLHook
+from ssl_engine.registry import HOOKS
+
+log = logging.getLogger(__name__)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA max allocated on GPU, max RSS of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Writer:
+    """Receives one dict of stats per logged iteration (rank 0 only)."""
+
+    def write(self, stats: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleWriter(Writer):
+    """The human log line."""
+
+    def write(self, s: Dict[str, Any]) -> None:
+        log.info(
+            "%s phase %d | iter %d (%d/%d) | lr %.5g | loss %.5f (avg %.5f) | data %.4fs | batch %.4fs | "
+            "eta %s | peak mem %.0f MB",
+            s["phase_type"], s["phase_idx"], s["iteration"], s["local_iteration"], s["phase_iterations"],
+            s["lr"], s["loss"], s["avg_loss"], s["data_time"], s["batch_time"], s["eta"], s["peak_mem_mb"],
+        )
+
+
+class JsonLinesWriter(Writer):
+    """One json line per logged iteration, appended to CHECKPOINT.DIR/stdout.json."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def write(self, s: Dict[str, Any]) -> None:
+        line = (json.dumps(s) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)  # one write call: a crash never leaves half a line behind a whole one
+        finally:
+            os.close(fd)
+
+
+@HOOKS.register("PeriodicWriterHook")
+class PeriodicWriterHook(SSLHook):
+    """Logs loss, lr, data/batch time, ETA and peak memory every LOG_FREQUENCY iterations."""
+
+    priority = Priority.LOW
+
+    def __init__(self, log_frequency: int, writers: List[Writer], log_test_phases: bool = False) -> None:
+        super().__init__()
+        self.log_frequency = log_frequency
+        self.writers = writers
+        self.log_test_phases = log_test_phases
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._count = 0
+        self._data_time = 0.0
+        self._t_last = 0.0
+        self._batch_time_sum = 0.0
+        self._timed_steps = 0
+
+    def on_phase_start(self, task: Any) -> None:
+        self._loss_sum, self._count, self._data_time = None, 0, 0.0
+        self._t_last = time.perf_counter()
+        self._batch_time_sum, self._timed_steps = 0.0, 0
+
+    def on_step(self, task: Any) -> None:
+        now = time.perf_counter()
+        self._batch_time_sum += now - self._t_last
+        self._timed_steps += 1
+        self._t_last = now
+        loss = task.last_loss
+        if loss is not None:
+            self._loss_sum = loss.float() if self._loss_sum is None else self._loss_sum + loss.float()
+            self._count += 1
+        self._data_time = max(self._data_time, task.last_data_time)
+        counter = task.iteration if task.train else task.local_iteration_num
+        if (not task.train and not self.log_test_phases) or counter % self.log_frequency != 0:
+            return
+        self._emit(task)
+
+    def _emit(self, task: Any) -> None:
+        loss_now = float(task.last_loss.float().item()) if task.last_loss is not None else float("nan")
+        avg = float((self._loss_sum / max(1, self._count)).item()) if self._loss_sum is not None else float("nan")
+        batch_time = self._batch_time_sum / max(1, self._timed_steps)
+        loss_now, avg = du.reduce_mean_scalars([loss_now, avg])
+        data_time, = du.reduce_max_scalars([self._data_time])
+        if du.is_primary():
+            remaining = max(0, task.max_iteration - task.iteration) if task.train else 0
+            loader = task.dataloaders["TRAIN" if task.train else "TEST"]
+            stats = {
+                "phase_type": task.phase_type,
+                "phase_idx": task.phase_idx,
+                "train_phase_idx": task.train_phase_idx,
+                "iteration": task.iteration,
+                "local_iteration": task.local_iteration_num,
+                "phase_iterations": len(loader),
+                "lr": task.optimizer.lr if task.optimizer is not None else 0.0,
+                "loss": loss_now,
+                "avg_loss": avg,
+                "data_time": round(data_time, 6),
+                "batch_time": round(batch_time, 6),
+                "eta": str(datetime.timedelta(seconds=int(remaining * batch_time))),
+                "peak_mem_mb": round(peak_memory_mb(task.device), 1),
+            }
+            for w in self.writers:
+                w.write(stats)
+        self._loss_sum, self._count, self._data_time = None, 0, 0.0
+        self._batch_time_sum, self._timed_steps = 0.0, 0
+
+    def on_end(self, task: Any) -> None:
+        for w in self.writers:
+            w.close()

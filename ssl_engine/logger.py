@@ -1,0 +1,36 @@
+"""Logging: rank 0 to the console and CHECKPOINT.DIR/log.txt; other ranks' warnings and
+errors still reach the console, prefixed with their rank."""
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+_FORMAT = "%(levelname).1s %(asctime)s %(name)s] %(message)s"
+
+
+def setup_logging(rank: int = 0, folder: Optional[str] = None, verbose: bool = False) -> None:
+    """Configure the root logger of this process (idempotent)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_ssl_engine", False):
+            root.removeHandler(h)
+            h.close()
+    level = logging.DEBUG if verbose else logging.INFO
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    fmt = logging.Formatter(prefix + _FORMAT, datefmt="%H:%M:%S")
+    console = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    console.setLevel(level if rank == 0 else logging.WARNING)
+    console.setFormatter(fmt)
+    console._ssl_engine = True  # type: ignore[attr-defined]
+    root.addHandler(console)
+    if rank == 0 and folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(Path(folder) / "log.txt")
+        fh.setLevel(level)
+        fh.setFormatter(fmt)
+        fh._ssl_engine = True  # type: ignore[attr-defined]
+        root.addHandler(fh)
+    root.setLevel(level)
+    for noisy in ("PIL", "matplotlib", "fvcore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,35 @@
+"""Losses, found by name through the LOSSES registry (``config.LOSS.name``).
+
+Every loss is a classy_vision ``ClassyLoss`` with ``from_config(config.LOSS[name])`` and
+``forward(output, target)``, where ``output`` is the model's list of head outputs (or a
+tensor). Loss state (buffers) goes through ``get_classy_state`` / ``set_classy_state``.
+"""
+
+from classy_vision.losses import ClassyLoss
+
+from ssl_engine.config.attr_dict import AttrDict
+
+# Importing the loss modules registers their losses.
+from ssl_engine.losses.cross_entropy import CrossEntropyLoss, CrossEntropyMultipleOutputSingleTargetLoss
+from ssl_engine.losses.simclr_info_nce import SimclrInfoNCELoss
+from ssl_engine.registry import LOSSES
+
+
+def build_loss(loss_cfg: AttrDict) -> ClassyLoss:
+    """The loss named by ``config.LOSS.name``, built from ``config.LOSS[name]``.
+
+    An unknown name is a UserError listing the registered losses.
+    """
+    name = loss_cfg.get("name", "CrossEntropyLoss")
+    loss_cls = LOSSES.get(name)
+    sub = loss_cfg.get(name) or {}
+    return loss_cls.from_config(sub if isinstance(sub, AttrDict) else AttrDict(sub))
+
+
+__all__ = [
+    "build_loss",
+    "ClassyLoss",
+    "CrossEntropyLoss",
+    "CrossEntropyMultipleOutputSingleTargetLoss",
+    "SimclrInfoNCELoss",
+]

@@ -1,0 +1,143 @@
+"""Cross-entropy losses for supervised training and linear evaluation.
+
+``cross_entropy_multiple_output_single_target`` scores several heads (for example one
+linear classifier per trunk layer in a benchmark) against the same labels and sums the
+losses, so one backward pass trains all heads. ``CrossEntropyLoss`` is VISSL's default
+loss name: plain cross-entropy of a single head.
+"""
+
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from classy_vision.losses import ClassyLoss
+
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.errors import UserError
+from ssl_engine.registry import LOSSES
+
+Outputs = Union[torch.Tensor, Sequence[torch.Tensor]]
+Target = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def as_output_list(output: Outputs) -> List[torch.Tensor]:
+    """The model output as a list of head outputs (a bare tensor is one head)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    outputs = list(output)
+    if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
+        raise TypeError(f"loss expects a tensor or a non-empty list of tensors, got {type(output).__name__}")
+    return outputs
+
+
+def as_class_target(target: Target) -> torch.Tensor:
+    """Integer class labels of shape (B,) from a tensor, a (B, 1) tensor or a one-item list."""
+    if not isinstance(target, torch.Tensor):
+        items = list(target)
+        if len(items) != 1:
+            raise ValueError(f"expected one target tensor, got a list of {len(items)}")
+        target = items[0]
+    if target.ndim == 2 and target.shape[1] == 1:
+        target = target[:, 0]
+    if target.ndim != 1:
+        raise ValueError(f"expected class-index targets of shape (B,), got shape {tuple(target.shape)}")
+    return target.long()
+
+
+def _check_reduction(reduction: str, key: str) -> str:
+    if reduction not in _REDUCTIONS:
+        raise UserError(f"{key}={reduction!r} is not a valid reduction; use one of {', '.join(_REDUCTIONS)}")
+    return reduction
+
+
+@LOSSES.register("cross_entropy_multiple_output_single_target")
+class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
+    """Sum over heads of cross-entropy(head output, target).
+
+    Args:
+        weight: optional per-class weights (kept as a buffer so it follows ``.to(device)``).
+        reduction: 'mean' | 'sum' | 'none', per head, as in ``F.cross_entropy``.
+        ignore_index: label value that contributes no loss.
+        normalize_output: L2-normalise each output row before the temperature (cosine
+            classifier logits).
+        temperature: logits are divided by it.
+    """
+
+    CONFIG_KEY = "config.LOSS.cross_entropy_multiple_output_single_target"
+
+    def __init__(
+        self,
+        weight: Optional[Sequence[float]] = None,
+        reduction: str = "mean",
+        ignore_index: int = -1,
+        normalize_output: bool = False,
+        temperature: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.reduction = _check_reduction(reduction, f"{self.CONFIG_KEY}.reduction")
+        if not temperature > 0:
+            raise UserError(f"{self.CONFIG_KEY}.temperature={temperature!r} must be > 0")
+        self.ignore_index = int(ignore_index)
+        self.normalize_output = bool(normalize_output)
+        self.temperature = float(temperature)
+        self.weight: Optional[torch.Tensor]
+        if weight is None:
+            self.weight = None
+        else:
+            self.register_buffer("weight", torch.as_tensor(list(weight), dtype=torch.float32))
+
+    @classmethod
+    def from_config(cls, loss_config: AttrDict) -> "CrossEntropyMultipleOutputSingleTargetLoss":
+        """Build from ``config.LOSS.cross_entropy_multiple_output_single_target``."""
+        cfg = loss_config or {}
+        return cls(
+            weight=cfg.get("weight", None),
+            reduction=cfg.get("reduction", "mean"),
+            ignore_index=cfg.get("ignore_index", -1),
+            normalize_output=cfg.get("normalize_output", False),
+            temperature=cfg.get("temperature", 1.0),
+        )
+
+    def forward(self, output: Outputs, target: Target) -> torch.Tensor:
+        """Summed cross-entropy of every head output against the one target."""
+        target = as_class_target(target)
+        total: Any = 0
+        for logits in as_output_list(output):
+            logits = logits.float()  # bf16/fp16 logits: log-softmax in float32
+            if self.normalize_output:
+                logits = F.normalize(logits, dim=1, p=2)
+            logits = logits / self.temperature
+            weight = self.weight.to(logits.device) if self.weight is not None else None
+            total = total + F.cross_entropy(
+                logits, target, weight=weight, ignore_index=self.ignore_index, reduction=self.reduction
+            )
+        return total
+
+
+@LOSSES.register("CrossEntropyLoss")
+class CrossEntropyLoss(ClassyLoss):
+    """Cross-entropy of a single head output (VISSL's default ``LOSS.name``)."""
+
+    CONFIG_KEY = "config.LOSS.CrossEntropyLoss"
+
+    def __init__(self, ignore_index: int = -1) -> None:
+        super().__init__()
+        self.ignore_index = int(ignore_index)
+
+    @classmethod
+    def from_config(cls, loss_config: AttrDict) -> "CrossEntropyLoss":
+        """Build from ``config.LOSS.CrossEntropyLoss``."""
+        cfg = loss_config or {}
+        return cls(ignore_index=cfg.get("ignore_index", -1))
+
+    def forward(self, output: Outputs, target: Target) -> torch.Tensor:
+        """Mean cross-entropy; the model must have exactly one head output."""
+        outputs = as_output_list(output)
+        if len(outputs) != 1:
+            raise UserError(
+                f"config.LOSS.name='CrossEntropyLoss' scores one head but the model returned "
+                f"{len(outputs)} outputs; use config.LOSS.name=cross_entropy_multiple_output_single_target"
+            )
+        return F.cross_entropy(outputs[0].float(), as_class_target(target), ignore_index=self.ignore_index)

@@ -1,0 +1,54 @@
+"""Meters, found by name through the METERS registry (``config.METERS.names``).
+
+Every meter is a classy_vision ``ClassyMeter``: ``update(model_output, target)``,
+``value``, ``sync_state()`` (all-reduce across ranks), ``reset()`` and
+``get_classy_state`` / ``set_classy_state`` for exact resume.
+"""
+
+from typing import List
+
+from classy_vision.meters import ClassyMeter
+
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.errors import UserError
+from ssl_engine.meters.topk_list_meter import (
+    AccuracyListMeter,
+    PrecisionAtKListMeter,
+    RecallAtKListMeter,
+    TopKListMeter,
+)
+from ssl_engine.registry import METERS
+
+
+def meter_names(meters_config: AttrDict) -> List[str]:
+    """The meter names a config asks for: ``METERS.names`` if set, else ``METERS.name`` ('' = none)."""
+    names = meters_config.get("names") or []
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, (list, tuple)):
+        raise UserError(f"config.METERS.names={names!r} must be a list of meter names")
+    if not names:
+        single = meters_config.get("name") or ""
+        names = [single] if single else []
+    return [str(n) for n in names]
+
+
+def build_meters(meters_config: AttrDict) -> List[ClassyMeter]:
+    """One meter per name in ``config.METERS``, each built from ``config.METERS[name]``."""
+    meters = []
+    for name in meter_names(meters_config):
+        meter_cls = METERS.get(name)
+        sub = meters_config.get(name) or {}
+        meters.append(meter_cls.from_config(sub if isinstance(sub, AttrDict) else AttrDict(sub)))
+    return meters
+
+
+__all__ = [
+    "AccuracyListMeter",
+    "build_meters",
+    "ClassyMeter",
+    "meter_names",
+    "PrecisionAtKListMeter",
+    "RecallAtKListMeter",
+    "TopKListMeter",
+]

@@ -1,0 +1,175 @@
+"""Top-k meters over a list of heads: accuracy, precision@k, recall@k.
+
+A benchmark model often has one classifier per trunk layer (res4, res5, ...), so the
+model output is a list of logits and each gets its own classy_vision meter. The value is
+VISSL's layout, in percent::
+
+    {"top_1": {"res4": 61.2, "res5": 71.2}, "top_5": {"res4": 83.0, "res5": 90.1}}
+
+keyed by ``meter_names`` (or "0", "1", ... when no names are given).
+"""
+
+from typing import Any, Dict, List, Sequence, Tuple, Type, Union
+
+import torch
+from classy_vision.meters import AccuracyMeter, ClassyMeter, PrecisionAtKMeter, RecallAtKMeter
+
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.errors import CheckpointError, UserError
+from ssl_engine.registry import METERS
+
+ModelOutput = Union[torch.Tensor, Sequence[torch.Tensor]]
+Target = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class TopKListMeter(ClassyMeter):
+    """``num_meters`` copies of one classy_vision top-k meter, one per model output.
+
+    Subclasses set ``NAME`` (the registry / config name), ``INNER`` (the classy meter
+    class) and ``ON_CPU`` (whether the classy meter only works on CPU tensors).
+    """
+
+    NAME = ""
+    INNER: Type[ClassyMeter] = AccuracyMeter
+    ON_CPU = False
+
+    def __init__(self, num_meters: int = 1, topk_values: Sequence[int] = (1,), meter_names: Sequence[str] = ()) -> None:
+        super().__init__()
+        key = f"config.METERS.{self.NAME}"
+        if not isinstance(num_meters, int) or num_meters < 1:
+            raise UserError(f"{key}.num_meters={num_meters!r} must be a positive integer")
+        topk = list(topk_values)
+        if not topk or not all(isinstance(k, int) and k >= 1 for k in topk):
+            raise UserError(f"{key}.topk_values={topk_values!r} must be a non-empty list of integers >= 1")
+        names = [str(n) for n in meter_names]
+        if names and len(names) != num_meters:
+            raise UserError(
+                f"{key}.meter_names has {len(names)} names but {key}.num_meters={num_meters}; "
+                "give one name per meter or leave meter_names empty"
+            )
+        self.num_meters = num_meters
+        self.topk_values = topk
+        self.meter_names = names or [str(i) for i in range(num_meters)]
+        self._meters = [self.INNER(topk=list(topk)) for _ in range(num_meters)]
+
+    @classmethod
+    def from_config(cls, meters_config: AttrDict) -> "TopKListMeter":
+        """Build from ``config.METERS[NAME]`` (num_meters, topk_values, meter_names)."""
+        cfg = meters_config or {}
+        return cls(
+            num_meters=cfg.get("num_meters", 1),
+            topk_values=cfg.get("topk_values", [1]),
+            meter_names=cfg.get("meter_names", []) or [],
+        )
+
+    @property
+    def name(self) -> str:
+        return self.NAME
+
+    def _pairs(self, model_output: ModelOutput, target: Target) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        outputs = [model_output] if isinstance(model_output, torch.Tensor) else list(model_output)
+        if len(outputs) != self.num_meters:
+            raise UserError(
+                f"config.METERS.{self.NAME}.num_meters={self.num_meters} but the model returned "
+                f"{len(outputs)} outputs; set num_meters to the number of heads"
+            )
+        if isinstance(target, torch.Tensor):
+            targets = [target] * len(outputs)
+        else:
+            targets = list(target)
+            if len(targets) == 1:
+                targets = targets * len(outputs)
+            elif len(targets) != len(outputs):
+                raise ValueError(f"{self.NAME}: {len(targets)} targets for {len(outputs)} outputs")
+        pairs = []
+        for out, tgt in zip(outputs, targets):
+            out = out.detach()
+            tgt = tgt.detach()
+            if self.ON_CPU:
+                out, tgt = out.cpu(), tgt.cpu()
+            elif tgt.device != out.device:
+                tgt = tgt.to(out.device)
+            pairs.append((out, tgt))
+        return pairs
+
+    def update(self, model_output: ModelOutput, target: Target, **kwargs: Any) -> None:
+        """Add one batch: one output per meter, the same target for all (or one target each)."""
+        for meter, (out, tgt) in zip(self._meters, self._pairs(model_output, target)):
+            meter.update(out, tgt)
+
+    @property
+    def value(self) -> Dict[str, Dict[str, float]]:
+        """``{"top_k": {meter_name: percent}}`` over everything seen (synced + local)."""
+        result: Dict[str, Dict[str, float]] = {f"top_{k}": {} for k in self.topk_values}
+        for meter_name, meter in zip(self.meter_names, self._meters):
+            for top_k, fraction in meter.value.items():
+                result[top_k][meter_name] = round(100.0 * float(fraction), 6)
+        return result
+
+    def sync_state(self) -> None:
+        """All-reduce the counts since the last sync across ranks (no-op on one process)."""
+        for meter in self._meters:
+            meter.sync_state()
+
+    def reset(self) -> None:
+        for meter in self._meters:
+            meter.reset()
+
+    def validate(self, model_output_shape: Tuple, target_shape: Tuple) -> None:
+        for meter in self._meters:
+            meter.validate(model_output_shape, target_shape)
+
+    def get_classy_state(self) -> Dict[str, Any]:
+        """Counts of every inner meter; tensors and plain containers only."""
+        return {
+            "name": self.name,
+            "num_meters": self.num_meters,
+            "topk_values": list(self.topk_values),
+            "meter_names": list(self.meter_names),
+            "meters": [meter.get_classy_state() for meter in self._meters],
+        }
+
+    def set_classy_state(self, state: Dict[str, Any]) -> None:
+        """Restore from :meth:`get_classy_state`; a different meter layout is a CheckpointError."""
+        theirs = (state.get("name"), state.get("num_meters"), list(state.get("topk_values", [])))
+        ours = (self.name, self.num_meters, list(self.topk_values))
+        if theirs != ours:
+            raise CheckpointError(
+                f"checkpoint meter state (name, num_meters, topk_values)={theirs} does not match "
+                f"config.METERS.{self.NAME}={ours}"
+            )
+        for meter, meter_state in zip(self._meters, state["meters"]):
+            meter.set_classy_state(meter_state)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{top_k}={{{', '.join(f'{n}: {v:.4f}' for n, v in per_name.items())}}}"
+            for top_k, per_name in self.value.items()
+        )
+        return f"{self.name}({parts})"
+
+
+@METERS.register("accuracy_list_meter")
+class AccuracyListMeter(TopKListMeter):
+    """Top-k accuracy (percent of samples whose label is among the k best scores), per head."""
+
+    NAME = "accuracy_list_meter"
+    INNER = AccuracyMeter
+
+
+@METERS.register("precision_at_k_list_meter")
+class PrecisionAtKListMeter(TopKListMeter):
+    """Precision@k (percent of the k predictions that are correct labels), per head."""
+
+    NAME = "precision_at_k_list_meter"
+    INNER = PrecisionAtKMeter
+    ON_CPU = True  # classy_vision builds its prediction mask on the CPU
+
+
+@METERS.register("recall_at_k_list_meter")
+class RecallAtKListMeter(TopKListMeter):
+    """Recall@k (percent of the true labels found among the k predictions), per head."""
+
+    NAME = "recall_at_k_list_meter"
+    INNER = RecallAtKMeter
+    ON_CPU = True  # classy_vision builds its prediction mask on the CPU

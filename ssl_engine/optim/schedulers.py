@@ -1,0 +1,243 @@
+"""Learning-rate schedules from ``config.OPTIMIZER.param_schedulers.lr``.
+
+A schedule maps training progress ``where`` in [0, 1) to a value, so the same config
+works for any number of epochs or iterations. The schedule classes are classy_vision's
+(re-exported from fvcore); this module validates the VISSL-style config, turns it into
+those objects, and implements VISSL's automatic learning-rate scaling with batch size.
+"""
+
+import copy
+import logging
+import math
+from typing import Any, Dict, List, Mapping, Tuple
+
+from classy_vision.optim.param_scheduler import (
+    PARAM_SCHEDULER_REGISTRY,
+    CompositeParamScheduler,
+    ConstantParamScheduler,
+    CosineParamScheduler,
+    LinearParamScheduler,
+    MultiStepParamScheduler,
+    ParamScheduler,
+    StepParamScheduler,
+)
+
+from ssl_engine.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LR_KEY = "config.OPTIMIZER.param_schedulers.lr"
+UPDATE_INTERVALS = ("step", "epoch")
+INTERVAL_SCALINGS = ("rescaled", "fixed")
+SCALING_TYPES = ("linear", "sqrt")
+
+# Config keys holding learning-rate values, per schedule name (auto scaling multiplies them).
+_VALUE_KEYS: Dict[str, Tuple[str, ...]] = {
+    "constant": ("value",),
+    "step": ("values",),
+    "multistep": ("values",),
+    "linear": ("start_value", "end_value"),
+    "cosine": ("start_value", "end_value"),
+    "polynomial": ("base_value",),
+    "step_with_fixed_gamma": ("base_value",),
+}
+
+
+def scheduler_names() -> List[str]:
+    """Schedule names a config may use: ours plus any registered with classy_vision."""
+    return sorted(set(_VALUE_KEYS) | {"composite"} | set(PARAM_SCHEDULER_REGISTRY))
+
+
+def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+    if cfg.get(key) is None:
+        raise UserError(f"{where}.{key} is required for the {cfg.get('name')!r} schedule")
+    return cfg[key]
+
+
+def _number(value: Any, key: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={value!r} must be a number") from None
+
+
+def _numbers(values: Any, key: str) -> List[float]:
+    if not isinstance(values, (list, tuple)) or not values:
+        raise UserError(f"{key}={values!r} must be a non-empty list of numbers")
+    return [_number(v, f"{key}[{i}]") for i, v in enumerate(values)]
+
+
+def build_param_scheduler(cfg: Mapping[str, Any], num_epochs: int, where: str = LR_KEY) -> ParamScheduler:
+    """The ParamScheduler a schedule config describes.
+
+    ``num_epochs`` is the length of training: step/multistep milestones are in epochs.
+    ``where`` is the config path used in error messages (composite children get
+    ``...schedulers[i]``).
+    """
+    name = cfg.get("name")
+    if name not in scheduler_names():
+        raise UserError(f"{where}.name={name!r} is not a known schedule; valid: {', '.join(scheduler_names())}")
+    try:
+        if name == "constant":
+            return ConstantParamScheduler(value=_number(_require(cfg, "value", where), f"{where}.value"))
+        if name in ("linear", "cosine"):
+            cls = LinearParamScheduler if name == "linear" else CosineParamScheduler
+            return cls(
+                start_value=_number(_require(cfg, "start_value", where), f"{where}.start_value"),
+                end_value=_number(_require(cfg, "end_value", where), f"{where}.end_value"),
+            )
+        if name == "step":
+            values = _numbers(_require(cfg, "values", where), f"{where}.values")
+            return StepParamScheduler(num_updates=num_epochs, values=values)
+        if name == "multistep":
+            values = _numbers(_require(cfg, "values", where), f"{where}.values")
+            milestones = cfg.get("milestones")
+            if milestones is not None and len(milestones) != len(values) - 1:
+                raise UserError(
+                    f"{where}.milestones={list(milestones)} must have one entry fewer than "
+                    f"{where}.values ({len(values)} values)"
+                )
+            if milestones is not None:
+                ms = [int(m) for m in milestones]
+                if any(b <= a for a, b in zip([0] + ms, ms)) or (ms and ms[-1] >= num_epochs):
+                    raise UserError(
+                        f"{where}.milestones={ms} must be increasing epochs in (0, {num_epochs}) "
+                        f"for config.OPTIMIZER.num_epochs={num_epochs}"
+                    )
+            return MultiStepParamScheduler(
+                values=values,
+                num_updates=num_epochs,
+                milestones=[int(m) for m in milestones] if milestones is not None else None,
+            )
+        if name == "composite":
+            return _build_composite(cfg, num_epochs, where)
+        # Any other schedule registered with classy_vision (polynomial, step_with_fixed_gamma, ...).
+        plain = dict(cfg)
+        plain.pop("update_interval", None)
+        plain.pop("auto_lr_scaling", None)
+        plain["num_epochs"] = num_epochs
+        return PARAM_SCHEDULER_REGISTRY[name].from_config(plain)
+    except UserError:
+        raise
+    except (ValueError, AssertionError, TypeError, KeyError) as err:
+        raise UserError(f"{where} (name={name!r}) is invalid: {err}") from None
+
+
+def _build_composite(cfg: Mapping[str, Any], num_epochs: int, where: str) -> ParamScheduler:
+    children = cfg.get("schedulers") or []
+    lengths = cfg.get("lengths") or []
+    if not children:
+        raise UserError(f"{where}.schedulers must list the schedules a composite schedule runs in order")
+    if len(lengths) != len(children):
+        raise UserError(
+            f"{where}.lengths={list(lengths)} must give one fraction of training per entry of "
+            f"{where}.schedulers ({len(children)} schedules)"
+        )
+    lengths = _numbers(lengths, f"{where}.lengths")
+    if abs(sum(lengths) - 1.0) > 1e-3:
+        raise UserError(f"{where}.lengths={lengths} must sum to 1 (they sum to {sum(lengths):g})")
+    lengths[-1] = 1.0 - sum(lengths[:-1])  # absorb rounding so the last phase ends at 1
+    scaling = list(cfg.get("interval_scaling") or []) or ["rescaled"] * len(children)
+    if len(scaling) != len(children) or any(s not in INTERVAL_SCALINGS for s in scaling):
+        raise UserError(
+            f"{where}.interval_scaling={scaling} must hold one of {INTERVAL_SCALINGS} per schedule "
+            f"({len(children)} schedules), or be empty for all 'rescaled'"
+        )
+    built = [build_param_scheduler(child, num_epochs, f"{where}.schedulers[{i}]") for i, child in enumerate(children)]
+    return CompositeParamScheduler(schedulers=built, lengths=lengths, interval_scaling=scaling)
+
+
+def _lr_values(cfg: Mapping[str, Any]) -> List[float]:
+    """Every learning-rate value in a schedule config, composite children included."""
+    name = cfg.get("name")
+    if name == "composite":
+        return [v for child in cfg.get("schedulers") or [] for v in _lr_values(child)]
+    found: List[float] = []
+    for key in _VALUE_KEYS.get(name, ()):
+        value = cfg.get(key)
+        if isinstance(value, (list, tuple)):
+            found.extend(float(v) for v in value)
+        elif value is not None:
+            found.append(float(value))
+    return found
+
+
+def _multiply(cfg: Dict[str, Any], factor: float) -> None:
+    """Multiply every learning-rate value of a schedule config in place."""
+    if cfg.get("name") == "composite":
+        for child in cfg.get("schedulers") or []:
+            _multiply(child, factor)
+        return
+    for key in _VALUE_KEYS.get(cfg.get("name"), ()):
+        value = cfg.get(key)
+        if isinstance(value, (list, tuple)):
+            cfg[key] = [float(v) * factor for v in value]
+        elif value is not None:
+            cfg[key] = float(value) * factor
+
+
+def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int) -> Dict[str, Any]:
+    """A copy of ``lr_cfg`` with VISSL's auto_lr_scaling applied (unchanged when off).
+
+    With ``auto_lr_scaling.auto_scale``, the reference rate ``base_value`` (meant for a
+    batch of ``base_lr_batch_size``) becomes
+
+        scaled_lr = base_value * (global_batch_size / base_lr_batch_size)      (linear)
+        scaled_lr = base_value * sqrt(global_batch_size / base_lr_batch_size)  (sqrt)
+
+    and, as VISSL does, the schedule's peak is set to ``scaled_lr`` while its shape is
+    kept: every value (start/end/value/values/base_value, composite children included) is
+    multiplied by ``scaled_lr / peak``. For the usual configs, whose peak equals
+    ``base_value``, that is multiplying every value by the batch-size factor. A cosine
+    start_value becomes scaled_lr and its end_value keeps its ratio to start_value; the
+    multistep values become scaled_lr times their decay; a linear warm-up ends at
+    scaled_lr and starts at the same fraction of it as before.
+    """
+    cfg = _plain(lr_cfg)
+    auto = cfg.get("auto_lr_scaling") or {}
+    if not auto.get("auto_scale", False):
+        return cfg
+    key = f"{LR_KEY}.auto_lr_scaling"
+    scaling_type = auto.get("scaling_type", "linear")
+    if scaling_type not in SCALING_TYPES:
+        raise UserError(f"{key}.scaling_type={scaling_type!r} is not valid; use one of {', '.join(SCALING_TYPES)}")
+    base_bs = auto.get("base_lr_batch_size", 256)
+    if not isinstance(base_bs, (int, float)) or base_bs <= 0:
+        raise UserError(f"{key}.base_lr_batch_size={base_bs!r} must be a positive number")
+    if global_batch_size <= 0:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    base_value = _number(auto.get("base_value", 0.1), f"{key}.base_value")
+    ratio = global_batch_size / float(base_bs)
+    factor = math.sqrt(ratio) if scaling_type == "sqrt" else ratio
+    scaled_lr = base_value * factor
+    peak = max(_lr_values(cfg), default=0.0)
+    if peak <= 0:
+        logger.warning("auto_lr_scaling: the lr schedule has no positive value; left unscaled")
+        return cfg
+    _multiply(cfg, scaled_lr / peak)
+    logger.info(
+        "auto_lr_scaling (%s): global batch %d / base batch %g -> scale %.6g; "
+        "lr base_value %.6g -> scaled lr %.6g (schedule peak %.6g -> %.6g)",
+        scaling_type, global_batch_size, base_bs, factor, base_value, scaled_lr, peak, scaled_lr,
+    )
+    return cfg
+
+
+def _plain(cfg: Any) -> Any:
+    """A deep plain-dict/list copy, so scaling never mutates the caller's config."""
+    if isinstance(cfg, Mapping):
+        return {k: _plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [_plain(v) for v in cfg]
+    return copy.deepcopy(cfg)
+
+
+def build_lr_scheduler(
+    lr_cfg: Mapping[str, Any], num_epochs: int, global_batch_size: int
+) -> Tuple[ParamScheduler, str]:
+    """The (auto-scaled) lr schedule and its update interval ('step' or 'epoch')."""
+    interval = lr_cfg.get("update_interval", "epoch")
+    if interval not in UPDATE_INTERVALS:
+        raise UserError(f"{LR_KEY}.update_interval={interval!r} is not valid; use one of {', '.join(UPDATE_INTERVALS)}")
+    scaled = scale_lr_schedule(lr_cfg, global_batch_size)
+    return build_param_scheduler(scaled, num_epochs), interval

@@ -1,0 +1,67 @@
+"""One Registry class; every pluggable kind of the engine is an instance of it.
+
+Users add their own parts with a decorator and name them in yaml::
+
+    from ssl_engine.registry import TRUNKS
+
+    @TRUNKS.register("my_trunk")
+    class MyTrunk(nn.Module): ...
+"""
+
+from typing import Any, Callable, Dict, List, Optional
+
+from ssl_engine.errors import UserError, did_you_mean
+
+
+class Registry:
+    """A name -> object table for one kind of part (trunk, loss, hook, ...)."""
+
+    def __init__(self, kind: str, config_key: str = "") -> None:
+        self.kind = kind
+        self.config_key = config_key
+        self._objects: Dict[str, Any] = {}
+
+    def register(self, name: Optional[str] = None) -> Callable[[Any], Any]:
+        """Decorator that registers a class or function under ``name`` (default: its __name__)."""
+
+        def wrap(obj: Any) -> Any:
+            key = name or obj.__name__
+            if key in self._objects and self._objects[key] is not obj:
+                raise ValueError(f"{self.kind} {key!r} is already registered to {self._objects[key]!r}")
+            self._objects[key] = obj
+            return obj
+
+        return wrap
+
+    def get(self, name: str) -> Any:
+        """The object registered as ``name``; an unknown name is a UserError listing the known ones."""
+        if name not in self._objects:
+            where = f" (config key {self.config_key})" if self.config_key else ""
+            raise UserError(
+                f"unknown {self.kind} {name!r}{where}{did_you_mean(str(name), self._objects)}; "
+                f"known: {', '.join(sorted(self._objects)) or '(none)'}"
+            )
+        return self._objects[name]
+
+    def names(self) -> List[str]:
+        return sorted(self._objects)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._objects
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self.names()})"
+
+
+TASKS = Registry("task", "config.TRAINER.TASK_NAME")
+TRAIN_STEPS = Registry("train step", "config.TRAINER.TRAIN_STEP_NAME")
+ENGINES = Registry("engine", "engine_name")
+HOOKS = Registry("hook", "config.HOOKS.CUSTOM[].name")
+TRUNKS = Registry("trunk", "config.MODEL.TRUNK.NAME")
+HEADS = Registry("head", "config.MODEL.HEAD.PARAMS")
+LOSSES = Registry("loss", "config.LOSS.name")
+METERS = Registry("meter", "config.METERS.names")
+OPTIMIZERS = Registry("optimizer", "config.OPTIMIZER.name")
+DATA_SOURCES = Registry("data source", "config.DATA.<split>.DATA_SOURCES")
+TRANSFORMS = Registry("transform", "config.DATA.<split>.TRANSFORMS[].name")
+COLLATORS = Registry("collator", "config.DATA.<split>.COLLATE_FUNCTION")

@@ -1,0 +1,355 @@
+"""SelfSupervisionTask: a classy_vision ClassyTask holding everything a run needs.
+
+It builds the model, loss, meters, optimizer, datasets and loaders from the config, owns the
+loop counters (phase_idx, train_phase_idx, iteration, local_iteration_num) and carries all
+resumable state through get_classy_state / set_classy_state. Only the trainer advances the
+counters; hooks read them.
+"""
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from classy_vision.tasks.classy_task import ClassyTask
+
+from ssl_engine import distributed as du
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.errors import UserError
+from ssl_engine.hooks.base import EVENTS, order_hooks
+from ssl_engine.registry import TASKS, TRAIN_STEPS
+from ssl_engine.rng import get_rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+def build_task(config: AttrDict) -> "SelfSupervisionTask":
+    """The task named by config.TRAINER.TASK_NAME."""
+    return TASKS.get(config.TRAINER.TASK_NAME).from_config(config)
+
+
+def build_phases(config: AttrDict) -> List[Dict[str, bool]]:
+    """Train phases from OPTIMIZER.num_epochs, a test phase after every TEST_EVERY_NUM_EPOCH.
+
+    TEST_ONLY gives one test phase. Test phases need DATA.TEST.DATA_SOURCES.
+    """
+    has_test = bool(config.DATA.TEST.DATA_SOURCES)
+    if config.TEST_ONLY:
+        if not has_test:
+            raise UserError("config.TEST_ONLY is true but config.DATA.TEST.DATA_SOURCES is empty: name the test data")
+        return [{"train": False}]
+    if not config.DATA.TRAIN.DATA_SOURCES:
+        raise UserError("config.DATA.TRAIN.DATA_SOURCES is empty: name the training data (e.g. [digits])")
+    test = config.TEST_MODEL and has_test
+    if config.TEST_MODEL and not has_test:
+        log.info("TEST_MODEL is true but DATA.TEST.DATA_SOURCES is empty: no test phases")
+    phases: List[Dict[str, bool]] = []
+    n, every = config.OPTIMIZER.num_epochs, config.TEST_EVERY_NUM_EPOCH
+    for epoch in range(n):
+        phases.append({"train": True})
+        if test and ((epoch + 1) % every == 0 or epoch == n - 1):
+            phases.append({"train": False})
+    return phases
+
+
+@TASKS.register("self_supervision_task")
+class SelfSupervisionTask(ClassyTask):
+    """The state of one run: parts, phases and loop counters."""
+
+    def __init__(self, config: AttrDict) -> None:
+        super().__init__()
+        self.config = config
+        self.phases = build_phases(config)
+        self.phase_idx = -1
+        self.train_phase_idx = -1
+        self.iteration = 0
+        self.local_iteration_num = 0
+        self.train = True
+        self.phase_complete = False
+        self._resume_in_phase = False
+        self.phase_resumed = False  # True while in a phase re-entered by a mid-phase resume
+        self.rank = du.get_rank()
+        self.world_size = du.get_world_size()
+        self.local_rank = 0
+        self.device = torch.device("cpu")
+        self.base_model: Optional[torch.nn.Module] = None
+        self.model: Optional[torch.nn.Module] = None
+        self.loss: Optional[torch.nn.Module] = None
+        self.meters: List[Any] = []
+        self.optimizer: Any = None
+        self.datasets: Dict[str, Any] = {}
+        self.dataloaders: Dict[str, Any] = {}
+        self.data_iterator: Any = None
+        self.grad_scaler: Optional[torch.amp.GradScaler] = None
+        self.amp_dtype: Optional[torch.dtype] = None
+        self.train_step_fn: Callable[["SelfSupervisionTask"], None] = TRAIN_STEPS.get(config.TRAINER.TRAIN_STEP_NAME)
+        self.checkpoint_folder = str(config.CHECKPOINT.DIR)
+        self.last_batch: Any = None
+        self.last_model_output: Any = None
+        self.last_loss: Optional[torch.Tensor] = None
+        self.last_data_time = 0.0
+        self.stop_requested = False
+        self._hook_calls: Dict[str, List[Callable]] = {ev: [] for ev in EVENTS}
+
+    @classmethod
+    def from_config(cls, config: AttrDict) -> "SelfSupervisionTask":
+        return cls(config)
+
+    # -- building ---------------------------------------------------------------------------
+
+    def set_hooks(self, hooks: List[Any]) -> "SelfSupervisionTask":
+        """Install hooks in priority order; only the events a hook overrides are called."""
+        self.hooks = order_hooks(hooks)
+        self._hook_calls = {ev: [] for ev in EVENTS}
+        for h in self.hooks:
+            used = h.events_used() if hasattr(h, "events_used") else list(EVENTS[:3]) + ["on_step", "on_phase_end", "on_end"]
+            for ev in used:
+                if hasattr(h, ev):
+                    self._hook_calls[ev].append(getattr(h, ev))
+        return self
+
+    def hook_table(self) -> str:
+        """Which hooks run at which event, in order (logged at start)."""
+        rows = [f"{ev:<18} {', '.join(type(fn.__self__).__name__ for fn in fns)}" for ev, fns in self._hook_calls.items() if fns]
+        return "\n".join(rows) or "(no hooks)"
+
+    def run_hooks(self, event: str) -> None:  # type: ignore[override]
+        for fn in self._hook_calls[event]:
+            fn(self)
+
+    def needed_splits(self) -> List[str]:
+        splits = []
+        if any(p["train"] for p in self.phases):
+            splits.append("TRAIN")
+        if any(not p["train"] for p in self.phases):
+            splits.append("TEST")
+        return splits
+
+    def prepare(self, local_rank: int = 0, **_: Any) -> None:  # type: ignore[override]
+        """Build model, loss, meters, datasets, loaders and optimizer on this rank's device."""
+        from ssl_engine.data import build_dataloader, build_dataset
+        from ssl_engine.losses import build_loss
+        from ssl_engine.meters import build_meters
+        from ssl_engine.models import build_model, convert_sync_batchnorm
+
+        cfg = self.config
+        self.local_rank = local_rank
+        self.rank, self.world_size = du.get_rank(), du.get_world_size()
+        self.device = du.device_for(cfg.MACHINE.DEVICE, local_rank)
+        for split in self.needed_splits():
+            self.datasets[split] = build_dataset(cfg, split)
+            self.dataloaders[split] = build_dataloader(
+                self.datasets[split], cfg, split, self.rank, self.world_size, cfg.MACHINE.DEVICE
+            )
+            log.info("%s data: %d samples, %d batches per rank", split.lower(), len(self.datasets[split]), len(self.dataloaders[split]))
+        model = build_model(cfg.MODEL, cfg.OPTIMIZER)
+        if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN and self.world_size > 1:
+            model = convert_sync_batchnorm(model, cfg.MODEL.SYNC_BN_CONFIG)
+        self.base_model = model.to(self.device)
+        self.model = self.base_model
+        self.loss = build_loss(cfg.LOSS).to(self.device)
+        self.meters = build_meters(cfg.METERS)
+        if "TRAIN" in self.dataloaders:
+            global_bs = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * self.world_size
+            from ssl_engine.optim import build_optimizer
+
+            self.optimizer = build_optimizer(cfg.OPTIMIZER, self.base_model, global_bs, self.iters_per_epoch)
+        self._setup_amp()
+
+    def init_weights(self) -> None:
+        """MODEL.WEIGHTS_INIT for a new run (never called when resuming)."""
+        from ssl_engine.checkpoint import init_model_from_weights
+
+        if self.config.MODEL.WEIGHTS_INIT.PARAMS_FILE:
+            init_model_from_weights(self.base_model, self.config.MODEL.WEIGHTS_INIT)
+
+    def wrap_distributed(self) -> None:
+        """Wrap the model in DistributedDataParallel when several ranks train it."""
+        trainable = any(p.requires_grad for p in self.base_model.parameters())
+        if self.world_size > 1 and trainable and any(p["train"] for p in self.phases):
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.base_model,
+                device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+                broadcast_buffers=self.config.DISTRIBUTED.BROADCAST_BUFFERS,
+                bucket_cap_mb=self.config.DATA.DDP_BUCKET_CAP_MB,
+            )
+
+    def _setup_amp(self) -> None:
+        amp = self.config.MODEL.AMP_PARAMS
+        if not amp.USE_AMP:
+            return
+        if amp.AMP_TYPE == "apex":
+            log.warning("MODEL.AMP_PARAMS.AMP_TYPE=apex runs as torch native AMP (apex is not used)")
+        name = amp.AMP_DTYPE
+        if name == "auto":
+            name = "float16" if self.device.type == "cuda" else "bfloat16"
+        self.amp_dtype = getattr(torch, name)
+        if self.device.type == "cuda" and self.amp_dtype == torch.float16:
+            self.grad_scaler = torch.amp.GradScaler("cuda")
+
+    def autocast(self) -> Any:
+        """The autocast context of this run (a null context without AMP)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    # -- counters and phases -----------------------------------------------------------------
+
+    @property
+    def iters_per_epoch(self) -> int:
+        return len(self.dataloaders["TRAIN"]) if "TRAIN" in self.dataloaders else 0
+
+    @property
+    def max_iteration(self) -> int:
+        return self.iters_per_epoch * self.config.OPTIMIZER.num_epochs
+
+    @property
+    def num_train_phases(self) -> int:
+        return sum(p["train"] for p in self.phases)
+
+    @property
+    def phase_type(self) -> str:
+        return "train" if self.train else "test"
+
+    @property
+    def where(self) -> float:
+        """Fraction of training done, in [0, 1]."""
+        return min(1.0, self.iteration / max(1, self.max_iteration))
+
+    def done_training(self) -> bool:
+        return self.phase_idx + 1 >= len(self.phases) and (self.phase_complete or self.phase_idx < 0)
+
+    def advance_phase(self) -> None:
+        """Enter the next phase (or re-enter the interrupted one after a mid-phase resume)."""
+        start_iter = 0
+        self.phase_resumed = self._resume_in_phase
+        if self._resume_in_phase:
+            self._resume_in_phase = False
+            start_iter = self.local_iteration_num
+        else:
+            self.phase_idx += 1
+            self.train = self.phases[self.phase_idx]["train"]
+            if self.train:
+                self.train_phase_idx += 1
+            self.local_iteration_num = 0
+            for m in self.meters:
+                m.reset()
+        self.phase_complete = False
+        self.base_model.train(self.train)
+        if self.train and self.optimizer is not None and self.optimizer.update_interval == "epoch":
+            self.optimizer.set_where(self.train_phase_idx / self.config.OPTIMIZER.num_epochs)
+        self.recreate_data_iterator(self.phase_type, max(self.train_phase_idx, 0), start_iter)
+
+    def recreate_data_iterator(self, phase_type: str, epoch: int, start_iter: int) -> None:
+        """A fresh iterator over the phase's data: order set by (seed, epoch), starting at start_iter."""
+        loader = self.dataloaders["TRAIN" if phase_type == "train" else "TEST"]
+        loader.sampler.set_epoch(epoch)
+        loader.sampler.set_start_iter(start_iter)
+        self.data_iterator = iter(loader)
+
+    def sync_meters(self) -> None:
+        for m in self.meters:
+            m.sync_state()
+
+    # -- ClassyTask's abstract API, mapped onto the hook events -------------------------------
+
+    def train_step(self) -> None:
+        self.train_step_fn(self)
+
+    def eval_step(self) -> None:
+        self.train_step_fn(self)
+
+    def on_start(self) -> None:
+        self.run_hooks("on_start")
+
+    def on_phase_start(self) -> None:
+        self.run_hooks("on_phase_start")
+
+    def on_phase_end(self) -> None:
+        self.run_hooks("on_phase_end")
+
+    def on_end(self) -> None:
+        self.run_hooks("on_end")
+
+    # -- state --------------------------------------------------------------------------------
+
+    def model_state(self) -> Dict[str, Any]:
+        """Weights in VISSL's layout: {'model': {'trunk': ..., 'heads': ...}, 'meta': {}}."""
+        m = self.base_model
+        trunk = getattr(m, "trunk", None)
+        heads = getattr(m, "heads", None)
+        if trunk is not None:
+            model = {"trunk": trunk.state_dict(), "heads": heads.state_dict() if heads is not None else {}}
+        else:
+            model = {"trunk": m.state_dict(), "heads": {}}
+        return {"model": model, "meta": {}}
+
+    def load_model_state(self, state: Dict[str, Any]) -> None:
+        m = self.base_model
+        if getattr(m, "trunk", None) is not None:
+            m.trunk.load_state_dict(state["model"]["trunk"])
+            if getattr(m, "heads", None) is not None:
+                m.heads.load_state_dict(state["model"]["heads"])
+        else:
+            m.load_state_dict(state["model"]["trunk"])
+
+    def get_classy_state(self, deep_copy: bool = False) -> Dict[str, Any]:
+        """Everything a resumed run needs to continue bit for bit."""
+        rng = du.all_gather_object(get_rng_state())
+        state = {
+            "train": self.train,
+            "phase_idx": self.phase_idx,
+            "train_phase_idx": self.train_phase_idx,
+            "iteration": self.iteration,
+            "num_updates": self.iteration,
+            "local_iteration_num": self.local_iteration_num,
+            "phase_complete": self.phase_complete,
+            "num_phases": len(self.phases),
+            "base_model": self.model_state(),
+            "loss": self.loss.state_dict() if self.loss is not None else {},
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "meters": [m.get_classy_state() for m in self.meters],
+            "hooks": {type(h).__name__: h.get_classy_state() for h in self.hooks},
+            "amp": self.grad_scaler.state_dict() if self.grad_scaler is not None else {},
+            "rng": rng,
+            "world_size": self.world_size,
+        }
+        if deep_copy:
+            import copy
+
+            state = copy.deepcopy(state)
+        return state
+
+    def set_classy_state(self, state: Dict[str, Any]) -> None:
+        """Restore a state saved by get_classy_state (a mid-phase state re-enters that phase)."""
+        if state.get("num_phases", len(self.phases)) != len(self.phases):
+            log.warning(
+                "the checkpoint was written for %d phases, this config has %d; continuing with this config's phases",
+                state["num_phases"], len(self.phases),
+            )
+        self.load_model_state(state["base_model"])
+        if self.loss is not None and state.get("loss"):
+            self.loss.load_state_dict(state["loss"])
+        if self.optimizer is not None and state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        for m, s in zip(self.meters, state.get("meters", [])):
+            m.set_classy_state(s)
+        hook_states = state.get("hooks", {})
+        for h in self.hooks:
+            if type(h).__name__ in hook_states:
+                h.set_classy_state(hook_states[type(h).__name__])
+        if self.grad_scaler is not None and state.get("amp"):
+            self.grad_scaler.load_state_dict(state["amp"])
+        self.phase_idx = state["phase_idx"]
+        self.train_phase_idx = state["train_phase_idx"]
+        self.iteration = state["iteration"]
+        self.local_iteration_num = state["local_iteration_num"]
+        self.train = state["train"]
+        self.phase_complete = state["phase_complete"]
+        self._resume_in_phase = not self.phase_complete and self.phase_idx >= 0
+        rng = state.get("rng") or []
+        if rng:
+            if state.get("world_size", 1) != self.world_size:
+                log.warning("the checkpoint was written by %d ranks, this run has %d: RNG states are not restored exactly",
+                            state.get("world_size", 1), self.world_size)
+            set_rng_state(rng[self.rank % len(rng)])

@@ -1,0 +1,79 @@
+"""SelfSupervisionTrainer: the phase loop. Everything optional happens in hooks."""
+
+import logging
+from typing import Any, List, Optional
+
+from ssl_engine import distributed as du
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.tasks import build_task
+
+log = logging.getLogger(__name__)
+
+
+class SelfSupervisionTrainer:
+    """Builds the task, resumes it if a checkpoint is given, and steps through its phases."""
+
+    def __init__(
+        self,
+        cfg: AttrDict,
+        dist_run_id: str = "",
+        checkpoint_path: Optional[str] = None,
+        checkpoint_folder: Optional[str] = None,
+        hooks: Optional[List[Any]] = None,
+        local_rank: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.dist_run_id = dist_run_id
+        self.checkpoint_path = checkpoint_path
+        self.checkpoint_folder = checkpoint_folder or cfg.CHECKPOINT.DIR
+        self.hooks = hooks or []
+        self.local_rank = local_rank
+        self.task = build_task(cfg)
+
+    def setup(self) -> Any:
+        """Build the task's parts, install hooks, then resume or initialise weights."""
+        from ssl_engine.checkpoint import load_checkpoint
+
+        task = self.task
+        task.checkpoint_folder = self.checkpoint_folder
+        task.prepare(local_rank=self.local_rank)
+        task.set_hooks(self.hooks)
+        if self.checkpoint_path:
+            state = load_checkpoint(self.checkpoint_path)["classy_state_dict"]
+            task.set_classy_state(state)
+            log.info("resumed from %s at phase %d, iteration %d", self.checkpoint_path, task.phase_idx, task.iteration)
+        else:
+            task.init_weights()
+        task.wrap_distributed()
+        return task
+
+    def train(self) -> Any:
+        """Run every remaining phase; hooks log, write metrics and checkpoint."""
+        task = self.setup()
+        try:
+            task.on_start()
+            while not task.done_training():
+                task.advance_phase()
+                task.on_phase_start()
+                while True:
+                    try:
+                        task.train_step_fn(task)
+                    except StopIteration:
+                        break
+                    task.run_hooks("on_step")
+                task.sync_meters()
+                du.barrier()
+                task.phase_complete = True
+                task.on_phase_end()
+            task.on_end()
+        except BaseException:
+            task.run_hooks("on_exception")
+            raise
+        return task
+
+    def extract(self) -> Any:
+        """Write features of the configured layers for each split (see ssl_engine.features)."""
+        from ssl_engine.features import extract_features
+
+        task = self.setup()
+        return extract_features(task)

@@ -1,0 +1,541 @@
+"""Losses, meters, optimizer, lr schedules and LARC (CPU, gloo for the 2-rank checks)."""
+
+import io
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.errors import CheckpointError, UserError
+from ssl_engine.gather import gather_with_grad
+from ssl_engine.losses import build_loss
+from ssl_engine.meters import build_meters
+from ssl_engine.optim import SSLOptimizer, build_optimizer, build_param_scheduler, scale_lr_schedule
+from ssl_engine.registry import LOSSES, METERS
+
+WORLD = 2
+N_PER_RANK = 4  # images per rank; 2 views each
+DIM = 16
+NUM_CLASSES = 6
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def simclr_cfg(temperature: float = 0.1) -> AttrDict:
+    return AttrDict(
+        {
+            "name": "simclr_info_nce_loss",
+            "simclr_info_nce_loss": {
+                "temperature": temperature,
+                "buffer_params": {"embedding_dim": DIM, "world_size": 64, "effective_batch_size": 4096},
+            },
+        }
+    )
+
+
+def reference_nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """NT-Xent written out row by row; rows are [view0 of all images; view1 of all images]."""
+    z = F.normalize(z.double(), dim=1)
+    m = z.shape[0]
+    half = m // 2
+    losses = []
+    for i in range(m):
+        pos = (i + half) % m
+        sims = [torch.dot(z[i], z[k]) / temperature for k in range(m)]
+        denom = sum(torch.exp(sims[k]) for k in range(m) if k != i)
+        losses.append(-torch.log(torch.exp(sims[pos]) / denom))
+    return torch.stack(losses).mean()
+
+
+def dist_data():
+    """Global data for the 2-rank checks, identical in every process."""
+    g = torch.Generator().manual_seed(1234)
+    n = WORLD * N_PER_RANK
+    view0 = torch.randn(n, DIM, generator=g)
+    view1 = view0 + 0.3 * torch.randn(n, DIM, generator=g)
+    logits = [torch.randn(n * 2, NUM_CLASSES, generator=g) for _ in range(2)]
+    target = torch.randint(0, NUM_CLASSES, (n * 2,), generator=g)
+    return view0, view1, logits, target
+
+
+def accuracy_meter_cfg(names=("res4", "res5"), topk=(1, 3)) -> AttrDict:
+    return AttrDict(
+        {
+            "names": ["accuracy_list_meter"],
+            "accuracy_list_meter": {"num_meters": len(names), "topk_values": list(topk), "meter_names": list(names)},
+        }
+    )
+
+
+def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        view0, view1, logits, target = dist_data()
+        sl = slice(rank * N_PER_RANK, (rank + 1) * N_PER_RANK)
+        # Local block: view0 of this rank's images, then their view1 (simclr collator order).
+        z = torch.cat([view0[sl], view1[sl]]).requires_grad_(True)
+        loss = build_loss(simclr_cfg(0.2))(z, None)
+        loss.backward()
+
+        gathered = gather_with_grad(torch.full((2, 3), float(rank), requires_grad=True))
+
+        meter = build_meters(accuracy_meter_cfg())[0]
+        rows = slice(rank * 2 * N_PER_RANK, (rank + 1) * 2 * N_PER_RANK)
+        meter.update([lg[rows] for lg in logits], target[rows])
+        local_value = meter.value
+        meter.sync_state()
+        torch.save(
+            {
+                "loss": loss.detach(),
+                "grad": z.grad,
+                "gathered": gathered.detach(),
+                "local_value": local_value,
+                "synced_value": meter.value,
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    """Run the 2-rank gloo worker once; both the loss and meter tests read its results."""
+    tmp = tmp_path_factory.mktemp("dist")
+    mp.spawn(_dist_worker, args=(str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+# ---------------------------------------------------------------------------- losses
+
+
+def test_ce_multiple_output_sums_per_output_ce():
+    torch.manual_seed(0)
+    outputs = [torch.randn(8, 5), torch.randn(8, 5)]
+    target = torch.randint(0, 5, (8,))
+    cfg = AttrDict({"name": "cross_entropy_multiple_output_single_target",
+                    "cross_entropy_multiple_output_single_target": {"temperature": 1.0}})
+    loss = build_loss(cfg)
+    expected = sum(F.cross_entropy(o, target) for o in outputs)
+    assert torch.allclose(loss(outputs, target), expected)
+    assert torch.allclose(loss(outputs, [target.view(-1, 1)]), expected)  # list / (B, 1) targets
+    assert torch.allclose(loss(outputs[0], target), F.cross_entropy(outputs[0], target))
+
+
+def test_ce_multiple_output_normalize_temperature_ignore_weight():
+    torch.manual_seed(1)
+    outputs = [torch.randn(6, 4)]
+    target = torch.tensor([0, 1, -1, 3, 2, -1])
+    weight = [1.0, 2.0, 0.5, 1.0]
+    loss = LOSSES.get("cross_entropy_multiple_output_single_target").from_config(
+        AttrDict({"weight": weight, "normalize_output": True, "temperature": 0.5, "ignore_index": -1})
+    )
+    logits = F.normalize(outputs[0], dim=1) / 0.5
+    expected = F.cross_entropy(logits, target, weight=torch.tensor(weight), ignore_index=-1)
+    assert torch.allclose(loss(outputs, target), expected)
+    # the class weight is a buffer: part of the loss state, and it round trips
+    state = loss.get_classy_state()
+    assert torch.equal(state["weight"], torch.tensor(weight))
+    other = LOSSES.get("cross_entropy_multiple_output_single_target").from_config(AttrDict({"weight": [0.0] * 4}))
+    other.set_classy_state(state)
+    assert torch.equal(other.weight, torch.tensor(weight))
+
+
+def test_cross_entropy_loss_default_name():
+    torch.manual_seed(2)
+    out = torch.randn(5, 3)
+    target = torch.tensor([0, 2, -1, 1, 1])
+    loss = build_loss(AttrDict({"name": "CrossEntropyLoss", "CrossEntropyLoss": {"ignore_index": -1}}))
+    assert torch.allclose(loss([out], target), F.cross_entropy(out, target, ignore_index=-1))
+    with pytest.raises(UserError, match="cross_entropy_multiple_output_single_target"):
+        loss([out, out], target)
+
+
+def test_unknown_loss_is_user_error():
+    with pytest.raises(UserError, match="simclr_info_nce_loss"):
+        build_loss(AttrDict({"name": "simclr_info_nce"}))
+
+
+def test_bad_loss_config_values_are_user_errors():
+    with pytest.raises(UserError, match="reduction"):
+        build_loss(AttrDict({"name": "cross_entropy_multiple_output_single_target",
+                             "cross_entropy_multiple_output_single_target": {"reduction": "avg"}}))
+    with pytest.raises(UserError, match="temperature"):
+        build_loss(AttrDict({"name": "simclr_info_nce_loss", "simclr_info_nce_loss": {"temperature": 0}}))
+
+
+def test_simclr_equals_reference_nt_xent():
+    torch.manual_seed(3)
+    z = torch.randn(10, DIM)
+    for temperature in (0.1, 0.5):
+        loss = build_loss(simclr_cfg(temperature))([z], None)
+        assert torch.allclose(loss.double(), reference_nt_xent(z, temperature), atol=1e-5)
+
+
+def test_simclr_random_embeddings_high_temperature_is_log_2n_minus_1():
+    torch.manual_seed(4)
+    z = torch.randn(32, DIM)
+    loss = build_loss(simclr_cfg(1e4))(z, None)
+    assert abs(loss.item() - math.log(32 - 1)) < 1e-3
+
+
+def test_simclr_gradient_flows_and_matches_reference():
+    torch.manual_seed(5)
+    z = torch.randn(8, DIM, requires_grad=True)
+    build_loss(simclr_cfg(0.3))(z, None).backward()
+    z_ref = z.detach().double().requires_grad_(True)
+    reference_nt_xent(z_ref, 0.3).backward()
+    assert z.grad is not None and z.grad.abs().sum() > 0
+    assert torch.allclose(z.grad.double(), z_ref.grad, atol=1e-5)
+
+
+def test_simclr_bf16_computes_in_float32():
+    torch.manual_seed(6)
+    z = torch.randn(16, DIM)
+    loss_fn = build_loss(simclr_cfg(0.1))
+    ref = loss_fn(z.bfloat16().float(), None)
+    out = loss_fn(z.bfloat16(), None)
+    assert out.dtype == torch.float32 and torch.allclose(out, ref, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        in_autocast = loss_fn(z.bfloat16(), None)
+    assert in_autocast.dtype == torch.float32 and torch.allclose(in_autocast, ref, atol=1e-5)
+
+
+def test_simclr_two_gloo_ranks_equal_one_rank(two_rank_results):
+    view0, view1, _, _ = dist_data()
+    z = torch.cat([view0, view1]).requires_grad_(True)
+    single = build_loss(simclr_cfg(0.2))(z, None)
+    single.backward()
+    # each rank's loss is the mean over its own rows; the ranks' mean is the global loss
+    rank_losses = torch.stack([r["loss"] for r in two_rank_results])
+    assert torch.allclose(rank_losses.mean(), single.detach(), atol=1e-6)
+    # backward sums over ranks; DDP's gradient averaging divides by the world size
+    n, n_all = N_PER_RANK, WORLD * N_PER_RANK
+    for rank, res in enumerate(two_rank_results):
+        rows = list(range(rank * n, (rank + 1) * n)) + list(range(n_all + rank * n, n_all + (rank + 1) * n))
+        assert torch.allclose(res["grad"] / WORLD, z.grad[rows], atol=1e-6)
+        assert torch.equal(res["gathered"], torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
+
+
+# ---------------------------------------------------------------------------- meters
+
+
+def test_accuracy_list_meter_percent_topk_and_names():
+    meter = build_meters(accuracy_meter_cfg(names=("res4", "res5"), topk=(1, 2)))[0]
+    assert meter.name == "accuracy_list_meter"
+    target = torch.tensor([0, 1, 2, 0])
+    out_a = torch.tensor([[0.9, 0.1, 0.0], [0.8, 0.2, 0.0], [0.1, 0.0, 0.9], [0.0, 0.6, 0.4]])  # top1 2/4
+    out_b = torch.tensor([[0.9, 0.1, 0.0], [0.1, 0.8, 0.1], [0.1, 0.0, 0.9], [0.3, 0.6, 0.1]])  # top1 3/4
+    meter.update([out_a, out_b], target)
+    value = meter.value
+    assert value["top_1"] == {"res4": pytest.approx(50.0), "res5": pytest.approx(75.0)}
+    assert value["top_2"] == {"res4": pytest.approx(75.0), "res5": pytest.approx(100.0)}
+    meter.reset()
+    assert meter.value["top_1"] == {"res4": 0.0, "res5": 0.0}
+
+
+def test_accuracy_list_meter_index_names_and_tensor_output():
+    meter = METERS.get("accuracy_list_meter").from_config(AttrDict({"num_meters": 1, "topk_values": [1]}))
+    meter.update(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]), [torch.tensor([0, 1, 1])])
+    assert meter.value == {"top_1": {"0": pytest.approx(200.0 / 3, abs=1e-4)}}
+    with pytest.raises(UserError, match="num_meters"):
+        meter.update([torch.zeros(3, 2), torch.zeros(3, 2)], torch.tensor([0, 1, 1]))
+    with pytest.raises(UserError, match="meter_names"):
+        METERS.get("accuracy_list_meter").from_config(AttrDict({"num_meters": 2, "meter_names": ["a"]}))
+
+
+def test_precision_recall_list_meters():
+    cfg = AttrDict({
+        "names": ["precision_at_k_list_meter", "recall_at_k_list_meter"],
+        "precision_at_k_list_meter": {"num_meters": 1, "topk_values": [1, 2]},
+        "recall_at_k_list_meter": {"num_meters": 1, "topk_values": [1, 2]},
+    })
+    precision, recall = build_meters(cfg)
+    out = torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.7, 0.1]])
+    target = torch.tensor([[1, 0, 1], [1, 0, 0]])  # multi-label
+    for m in (precision, recall):
+        m.update([out], target)
+    # top1 predictions: 0 (correct), 1 (wrong); top2 adds 1 (wrong) and 0 (correct)
+    assert precision.value == {"top_1": {"0": pytest.approx(50.0)}, "top_2": {"0": pytest.approx(50.0)}}
+    # 3 true labels in all: 1 found in top1, 2 in top2
+    assert recall.value["top_1"]["0"] == pytest.approx(100.0 / 3, abs=1e-4)
+    assert recall.value["top_2"]["0"] == pytest.approx(200.0 / 3, abs=1e-4)
+
+
+def test_build_meters_name_names_and_none():
+    assert build_meters(AttrDict({"name": "", "names": []})) == []
+    single = build_meters(AttrDict({"name": "accuracy_list_meter", "names": [],
+                                    "accuracy_list_meter": {"num_meters": 1, "topk_values": [1]}}))
+    assert [m.name for m in single] == ["accuracy_list_meter"]
+    with pytest.raises(UserError, match="accuracy_list_meter"):
+        build_meters(AttrDict({"names": ["accuracy_meter"]}))
+
+
+def test_meter_classy_state_round_trip_weights_only():
+    torch.manual_seed(7)
+    meter = build_meters(accuracy_meter_cfg())[0]
+    logits = [torch.randn(10, NUM_CLASSES), torch.randn(10, NUM_CLASSES)]
+    target = torch.randint(0, NUM_CLASSES, (10,))
+    meter.update(logits, target)
+    meter.sync_state()
+    meter.update(logits, target)
+    buf = io.BytesIO()
+    torch.save(meter.get_classy_state(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    fresh = build_meters(accuracy_meter_cfg())[0]
+    fresh.set_classy_state(state)
+    assert fresh.value == meter.value
+    fresh.update(logits, target)
+    meter.update(logits, target)
+    assert fresh.value == meter.value
+    with pytest.raises(CheckpointError):
+        build_meters(accuracy_meter_cfg(topk=(1,)))[0].set_classy_state(state)
+
+
+def test_meter_sync_two_gloo_ranks_equals_union(two_rank_results):
+    _, _, logits, target = dist_data()
+    single = build_meters(accuracy_meter_cfg())[0]
+    single.update(logits, target)
+    for res in two_rank_results:
+        assert res["synced_value"] == single.value
+    assert two_rank_results[0]["local_value"] != single.value  # sync changed something
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+def lr_cfg(**kw) -> AttrDict:
+    base = {"name": "constant", "value": 0.1, "update_interval": "epoch",
+            "auto_lr_scaling": {"auto_scale": False, "base_value": 0.1, "base_lr_batch_size": 256,
+                                "scaling_type": "linear"}}
+    base.update(kw)
+    return AttrDict(base)
+
+
+def test_multistep_values_at_where_points():
+    sched = build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[30, 60]), 90)
+    expect = {0.0: 0.1, 29.5 / 90: 0.1, 30 / 90: 0.01, 59.9 / 90: 0.01, 60 / 90: 0.001, 0.999: 0.001}
+    for where, value in expect.items():
+        assert sched(where) == pytest.approx(value), where
+
+
+def test_cosine_endpoints_and_step():
+    sched = build_param_scheduler(lr_cfg(name="cosine", start_value=0.4, end_value=0.004), 10)
+    assert sched(0.0) == pytest.approx(0.4)
+    assert sched(0.5) == pytest.approx(0.202)
+    assert sched(1.0 - 1e-9) == pytest.approx(0.004)
+    step = build_param_scheduler(lr_cfg(name="step", values=[1.0, 0.5]), 10)
+    assert (step(0.2), step(0.6)) == (1.0, 0.5)
+
+
+def test_composite_linear_warmup_then_cosine():
+    cfg = lr_cfg(
+        name="composite", update_interval="step", lengths=[0.1, 0.9], interval_scaling=["rescaled", "fixed"],
+        schedulers=[{"name": "linear", "start_value": 0.0, "end_value": 1.0},
+                    {"name": "cosine", "start_value": 1.0, "end_value": 0.0}],
+    )
+    sched = build_param_scheduler(cfg, 100)
+    assert sched(0.0) == pytest.approx(0.0)
+    assert sched(0.05) == pytest.approx(0.5)  # rescaled: half way through the warm-up
+    cosine = lambda w: 0.5 * (1 + math.cos(math.pi * w))  # noqa: E731
+    for where in (0.1, 0.5, 0.9):  # fixed: the cosine sees the global where
+        assert sched(where) == pytest.approx(cosine(where))
+
+
+def test_schedule_errors_are_user_errors():
+    with pytest.raises(UserError, match="cosine"):  # lists the valid names
+        build_param_scheduler(lr_cfg(name="cosin"), 10)
+    bad = lr_cfg(name="composite", lengths=[0.5, 0.4],
+                 schedulers=[{"name": "constant", "value": 1.0}, {"name": "constant", "value": 0.1}])
+    with pytest.raises(UserError, match="sum to 1"):
+        build_param_scheduler(bad, 10)
+    with pytest.raises(UserError, match="milestones"):
+        build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[3, 6]), 10)
+    with pytest.raises(UserError, match="num_epochs=2"):  # VISSL's default milestones on a short run
+        build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[30, 60]), 2)
+    with pytest.raises(UserError, match="update_interval"):
+        build_optimizer(opt_cfg(param_schedulers={"lr": lr_cfg(update_interval="iter")}), nn.Linear(2, 2), 8, 1)
+
+
+def test_auto_lr_scaling_linear_and_sqrt():
+    auto = {"auto_scale": True, "base_value": 0.3, "base_lr_batch_size": 256, "scaling_type": "linear"}
+    cosine = lr_cfg(name="cosine", start_value=0.3, end_value=0.003, auto_lr_scaling=auto)
+    scaled = scale_lr_schedule(cosine, 1024)
+    assert scaled["start_value"] == pytest.approx(1.2) and scaled["end_value"] == pytest.approx(0.012)
+    assert cosine["start_value"] == 0.3  # caller's config untouched
+
+    multistep = lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[5],
+                       auto_lr_scaling=dict(auto, base_value=0.1, scaling_type="sqrt"))
+    assert scale_lr_schedule(multistep, 1024)["values"] == pytest.approx([0.2, 0.02])
+
+    composite = lr_cfg(
+        name="composite", lengths=[0.1, 0.9], interval_scaling=["rescaled", "fixed"], auto_lr_scaling=auto,
+        schedulers=[{"name": "linear", "start_value": 0.03, "end_value": 0.3},
+                    {"name": "cosine", "start_value": 0.3, "end_value": 0.0}],
+    )
+    children = scale_lr_schedule(composite, 512)["schedulers"]
+    assert (children[0]["start_value"], children[0]["end_value"]) == pytest.approx((0.06, 0.6))
+    assert (children[1]["start_value"], children[1]["end_value"]) == pytest.approx((0.6, 0.0))
+
+    # VISSL semantics: base_value is the reference lr; the schedule's peak becomes scaled_lr
+    const = lr_cfg(name="constant", value=5.0, auto_lr_scaling=dict(auto, base_value=0.1))
+    assert scale_lr_schedule(const, 512)["value"] == pytest.approx(0.2)
+
+    opt = build_optimizer(opt_cfg(param_schedulers={"lr": cosine}), nn.Linear(2, 2), 64, 10)
+    assert opt.lr == pytest.approx(0.3 * 64 / 256)
+    with pytest.raises(UserError, match="scaling_type"):
+        scale_lr_schedule(lr_cfg(auto_lr_scaling=dict(auto, scaling_type="log")), 64)
+
+
+# ---------------------------------------------------------------------------- optimizer
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+        self.pos_embed = nn.Parameter(torch.zeros(1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x)).mean(dim=(2, 3)) + self.pos_embed
+        return self.fc(h)
+
+
+def opt_cfg(**kw) -> AttrDict:
+    base = {
+        "name": "sgd", "momentum": 0.9, "nesterov": False, "weight_decay": 1e-4, "num_epochs": 10,
+        "betas": [0.9, 0.999], "regularize_bn": False, "regularize_bias": True, "non_regularized_parameters": [],
+        "use_larc": False, "larc_config": {"clip": False, "eps": "1e-08", "trust_coefficient": 0.001},
+        "param_schedulers": {"lr": lr_cfg()},
+    }
+    base.update(kw)
+    return AttrDict(base)
+
+
+def group_ids(opt: SSLOptimizer):
+    return {pg["weight_decay"]: {id(p) for p in pg["params"]} for pg in opt.param_groups}
+
+
+def test_param_groups_regularize_bn_bias_and_named():
+    net = TinyNet()
+    groups = group_ids(build_optimizer(opt_cfg(regularize_bn=False, regularize_bias=False,
+                                               non_regularized_parameters=["pos_embed"]), net, 8, 1))
+    no_wd = {id(p) for p in (net.bn.weight, net.bn.bias, net.conv.bias, net.fc.bias, net.pos_embed)}
+    assert groups[0.0] == no_wd
+    assert groups[1e-4] == {id(net.conv.weight), id(net.fc.weight)}
+
+    groups = group_ids(build_optimizer(opt_cfg(regularize_bn=True, regularize_bias=True), net, 8, 1))
+    assert set(groups) == {1e-4} and len(groups[1e-4]) == 7
+
+    groups = group_ids(build_optimizer(opt_cfg(regularize_bn=False, regularize_bias=True), net, 8, 1))
+    assert groups[0.0] == {id(net.bn.weight), id(net.bn.bias)}
+
+
+def test_optimizer_config_errors():
+    net = nn.Linear(2, 2)
+    for bad in (0, -3):
+        with pytest.raises(UserError, match=r"config\.OPTIMIZER\.num_epochs"):
+            build_optimizer(opt_cfg(num_epochs=bad), net, 8, 1)
+    with pytest.raises(UserError, match="sgd"):
+        build_optimizer(opt_cfg(name="sgdd"), net, 8, 1)
+
+
+def test_set_where_and_update_interval():
+    cfg = opt_cfg(param_schedulers={"lr": lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[5],
+                                                 update_interval="step")})
+    opt = build_optimizer(cfg, TinyNet(), 8, 4)
+    assert opt.update_interval == "step" and opt.lr == pytest.approx(0.1)
+    opt.set_where(0.6)
+    assert all(pg["lr"] == pytest.approx(0.01) for pg in opt.param_groups)
+    opt.set_where(1.0)  # end of training: left as is
+    assert opt.lr == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_larc_matches_hand_computed_update(clip):
+    torch.manual_seed(8)
+    w = nn.Parameter(torch.randn(5, 3))
+    grad = torch.randn(5, 3)
+    lr, wd, momentum, tc, eps = 0.5, 1e-3, 0.9, 0.02, 1e-8
+    cfg = opt_cfg(weight_decay=wd, momentum=momentum, use_larc=True,
+                  larc_config={"clip": clip, "eps": "1e-08", "trust_coefficient": tc},
+                  param_schedulers={"lr": lr_cfg(value=lr)})
+    model = nn.Module()
+    model.w = w
+    opt = build_optimizer(cfg, model, 8, 1)
+    before = w.detach().clone()
+    w.grad = grad.clone()
+    opt.step()
+
+    p_norm, g_norm = before.norm(), grad.norm()
+    ratio = tc * p_norm / (g_norm + wd * p_norm + eps)
+    if clip:
+        ratio = min(ratio / lr, 1.0)
+    # first SGD step: momentum buffer = gradient; weight decay is inside the LARC gradient
+    expected = before - lr * (grad + wd * before) * ratio
+    assert torch.allclose(w.detach(), expected, atol=1e-7)
+    assert opt.param_groups[0]["weight_decay"] == wd  # restored after the step
+
+
+def _train_steps(opt: SSLOptimizer, net: nn.Module, steps, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for step in steps:
+        opt.set_where(step / 20)
+        x = torch.randn(4, 3, 5, 5, generator=g)
+        opt.zero_grad()
+        net(x).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("name,use_larc", [("sgd", True), ("adamw", False)])
+def test_state_dict_round_trip_gives_identical_next_step(name, use_larc, tmp_path):
+    cfg = opt_cfg(name=name, use_larc=use_larc,
+                  param_schedulers={"lr": lr_cfg(name="cosine", start_value=0.1, end_value=0.0,
+                                                 update_interval="step")})
+    torch.manual_seed(9)
+    net = TinyNet()
+    opt = build_optimizer(cfg, net, 8, 2)
+    _train_steps(opt, net, range(3), seed=0)
+
+    path = tmp_path / "opt.torch"
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, path)
+    loaded = torch.load(path, weights_only=True)
+
+    _train_steps(opt, net, [3], seed=1)  # the uninterrupted run
+
+    net2 = TinyNet()
+    net2.load_state_dict(loaded["model"])
+    opt2 = build_optimizer(cfg, net2, 8, 2)
+    opt2.load_state_dict(loaded["optimizer"])
+    assert opt2.where == pytest.approx(2 / 20) and opt2.lr == pytest.approx(opt.schedulers["lr"](2 / 20))
+    _train_steps(opt2, net2, [3], seed=1)
+    for a, b in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_grad_scaler_steps_ssl_optimizer_like_a_plain_step():
+    cfg = opt_cfg(use_larc=True)
+    torch.manual_seed(10)
+    net_a = TinyNet()
+    net_b = TinyNet()
+    net_b.load_state_dict(net_a.state_dict())
+    opt_a, opt_b = build_optimizer(cfg, net_a, 8, 1), build_optimizer(cfg, net_b, 8, 1)
+    x = torch.randn(2, 3, 5, 5)
+    net_a(x).sum().backward()
+    opt_a.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(net_b(x).sum()).backward()
+    scaler.step(opt_b)
+    scaler.update()
+    for a, b in zip(net_a.parameters(), net_b.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -1,0 +1,129 @@
+"""Collators: turn a list of sample dicts into one batch dict (registry ``COLLATORS``).
+
+A sample is ``{"data": [x0, ...], "label": [...], "data_valid": [...], "data_idx": [...]}``
+where the lists hold one entry per data source, or per view after a replicating transform.
+A collator is a callable on a list of samples; ``COLLATE_FUNCTION_PARAMS`` are passed to it as
+keyword arguments by ``build_collator``.
+"""
+
+import functools
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch.utils.data import default_collate as _torch_default_collate
+
+from ssl_engine.errors import UserError
+from ssl_engine.registry import COLLATORS
+
+SAMPLE_KEYS = ("data", "label", "data_valid", "data_idx")
+
+
+def _stack(items: Sequence[Any], what: str) -> torch.Tensor:
+    """Stack tensors along a new batch dim, with a message a user can act on when it fails."""
+    for x in items:
+        if not isinstance(x, torch.Tensor):
+            raise UserError(
+                f"cannot batch {what}: got a {type(x).__name__}, not a tensor; end "
+                f"config.DATA.<split>.TRANSFORMS with ToTensor (and Normalize) so every view is a tensor"
+            )
+    shapes = {tuple(x.shape) for x in items}
+    if len(shapes) > 1:
+        raise UserError(
+            f"cannot batch {what}: views have different shapes {sorted(shapes)}; add a fixed-size "
+            f"Resize/CenterCrop/RandomResizedCrop to config.DATA.<split>.TRANSFORMS"
+        )
+    return torch.stack(list(items), dim=0)
+
+
+def _ints(values: Sequence[Any]) -> torch.Tensor:
+    return _torch_default_collate(list(values))
+
+
+def _num_entries(batch: Sequence[Dict[str, Any]], key: str) -> int:
+    counts = {len(s[key]) for s in batch}
+    if len(counts) != 1:
+        raise UserError(f"cannot batch samples with different numbers of {key!r} entries: {sorted(counts)}")
+    return counts.pop()
+
+
+def _extra_keys(batch: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    keys = [k for k in batch[0] if k not in SAMPLE_KEYS]
+    return {k: _torch_default_collate([s[k] for s in batch]) for k in keys}
+
+
+@COLLATORS.register("default")
+@COLLATORS.register("default_collate")
+def default_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Stack each entry position across the batch: ``{"data": [Tensor N x C x H x W per entry], ...}``.
+
+    With one data source and no replication every list has length 1. ``label``, ``data_valid``
+    and ``data_idx`` become LongTensors of length N per position.
+    """
+    if not batch:
+        raise ValueError("default_collate got an empty batch")
+    out: Dict[str, Any] = {}
+    n = _num_entries(batch, "data")
+    out["data"] = [_stack([s["data"][j] for s in batch], f"data entry {j}") for j in range(n)]
+    for key in ("label", "data_valid", "data_idx"):
+        if key in batch[0]:
+            m = _num_entries(batch, key)
+            out[key] = [_ints([s[key][j] for s in batch]) for j in range(m)]
+    out.update(_extra_keys(batch))
+    return out
+
+
+def _per_view(values: Sequence[Any], num_views: int, key: str) -> List[Any]:
+    if len(values) == num_views:
+        return list(values)
+    if len(values) == 1:
+        return list(values) * num_views
+    raise UserError(
+        f"simclr_collator: a sample has {num_views} views but {len(values)} {key!r} entries; "
+        f"expected one per view or a single one"
+    )
+
+
+@COLLATORS.register("simclr_collator")
+def simclr_collator(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Concatenate the V views of N samples into one input: ``data = [Tensor (V*N) x C x H x W]``.
+
+    Order is view-major, as in VISSL: all samples' view 0, then all samples' view 1, ... so
+    rows ``i`` and ``i + N`` are the positive pair of sample ``i``. ``label``, ``data_valid`` and
+    ``data_idx`` are repeated in the same order (one LongTensor of length V*N each).
+    """
+    if not batch:
+        raise ValueError("simclr_collator got an empty batch")
+    num_views = _num_entries(batch, "data")
+    if num_views < 2:
+        raise UserError(
+            "simclr_collator needs at least 2 views per sample; add {name: ImgReplicatePil, num_times: 2} "
+            "to the start of config.DATA.<split>.TRANSFORMS"
+        )
+    out: Dict[str, Any] = {
+        "data": [_stack([s["data"][v] for v in range(num_views) for s in batch], "simclr views")]
+    }
+    for key in ("label", "data_valid", "data_idx"):
+        if key in batch[0]:
+            if len(batch[0][key]) == 0:
+                out[key] = []
+                continue
+            per_sample = [_per_view(s[key], num_views, key) for s in batch]
+            out[key] = [_ints([per_sample[i][v] for v in range(num_views) for i in range(len(batch))])]
+    out.update(_extra_keys(batch))
+    return out
+
+
+def build_collator(name: str, params: Optional[Dict[str, Any]] = None, split: str = "<split>") -> Callable[[List[Dict[str, Any]]], Dict[str, Any]]:
+    """The registered collator ``name`` with ``params`` bound as keyword arguments (picklable for workers)."""
+    fn = COLLATORS.get(name)
+    params = dict(params or {})
+    if params:
+        try:
+            inspect.signature(fn).bind_partial([], **params)
+        except TypeError as exc:
+            raise UserError(
+                f"config.DATA.{split}.COLLATE_FUNCTION_PARAMS {params!r} do not fit collator {name!r}: {exc}"
+            ) from exc
+        return functools.partial(fn, **params)
+    return fn

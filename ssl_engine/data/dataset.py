@@ -1,0 +1,323 @@
+"""SSLDataset: the sample dicts the engine trains on, reproducible from (seed, epoch, index).
+
+``build_dataset(cfg, split)`` reads ``cfg.DATA[split]``: one data source per input
+(``DATA_SOURCES`` / ``DATA_PATHS``), optional label sources (``LABEL_SOURCES`` /
+``LABEL_PATHS``), a label type, a data limit and the transform list.
+
+``dataset[(epoch, idx)]`` (or ``dataset[idx]`` with the dataset's own ``epoch``) returns VISSL's
+sample dict ``{"data": [...], "label": [...], "data_valid": [...], "data_idx": [...]}``.
+Transforms run with torch / python ``random`` / numpy global generators reseeded from
+(SEED_VALUE, epoch, idx) and restored afterwards, so a sample is the same in any worker, with
+any number of workers, before or after a resume (DESIGN rule 8), and the caller's generators
+are left exactly as they were.
+"""
+
+import contextlib
+import logging
+import random
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ssl_engine.data.sources import (
+    UnreadableImageError,
+    build_source,
+    data_key,
+    load_filelist_labels,
+    normalize_paths,
+    source_path,
+)
+from ssl_engine.data.transforms import SSLTransformsWrapper, build_transforms
+from ssl_engine.errors import UserError, did_you_mean
+from ssl_engine.registry import DATA_SOURCES
+
+logger = logging.getLogger(__name__)
+
+LABEL_TYPES = ("standard", "sample_index", "zero")
+ON_CORRUPT_CHOICES = ("skip", "error")
+
+
+def sample_seed(seed: int, epoch: int, idx: int) -> int:
+    """A 63-bit seed that is a well-mixed pure function of (seed, epoch, idx)."""
+    ss = np.random.SeedSequence([int(seed) % (1 << 63), int(epoch) % (1 << 63), int(idx) % (1 << 63)])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int) -> Iterator[None]:
+    """Seed torch's CPU generator, python ``random`` and numpy's global generator; restore them after.
+
+    Only the CPU torch generator is touched (``torch.manual_seed`` would also reseed CUDA).
+    """
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+class SSLDataset(Dataset):
+    """Images from one or more data sources, labels, and a seeded transform pipeline.
+
+    ``__getitem__`` accepts ``idx`` or ``(epoch, idx)`` (what ``StatefulDistributedSampler``
+    yields). ``num_skipped`` counts samples served with a replacement because an image could not
+    be decoded (``ON_CORRUPT_IMAGE: skip``); with dataloader workers that count lives in each
+    worker's copy, so every skip is also logged as a warning naming the file.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Any],
+        transforms: Optional[SSLTransformsWrapper] = None,
+        label_arrays: Sequence[np.ndarray] = (),
+        label_type: str = "standard",
+        seed: int = 0,
+        split: str = "TRAIN",
+        subset: Optional[np.ndarray] = None,
+        on_corrupt_image: str = "skip",
+        source_names: Sequence[str] = (),
+    ) -> None:
+        if not sources:
+            raise UserError(f"{data_key(split, 'DATA_SOURCES')} is empty; name at least one data source")
+        if label_type not in LABEL_TYPES:
+            raise UserError(f"{data_key(split, 'LABEL_TYPE')} is {label_type!r}; valid: {', '.join(LABEL_TYPES)}")
+        if on_corrupt_image not in ON_CORRUPT_CHOICES:
+            raise UserError(
+                f"{data_key(split, 'ON_CORRUPT_IMAGE')} is {on_corrupt_image!r}; valid: {', '.join(ON_CORRUPT_CHOICES)}"
+            )
+        self.sources = list(sources)
+        self.source_names = list(source_names) or [type(s).__name__ for s in self.sources]
+        self.transforms = transforms if transforms is not None else SSLTransformsWrapper([])
+        self.label_arrays = [np.asarray(a) for a in label_arrays]
+        self.label_type = label_type
+        self.seed = int(seed)
+        self.split = split
+        self.subset = None if subset is None else np.asarray(subset, dtype=np.int64)
+        self.on_corrupt_image = on_corrupt_image
+        self.epoch = 0
+        self.num_skipped = 0
+        self._bad: Set[int] = set()
+        self._warned: Set[str] = set()
+
+    # -- size and labels ------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.subset) if self.subset is not None else len(self.sources[0])
+
+    def source_index(self, idx: int) -> int:
+        """The index into the data sources of dataset sample ``idx`` (differs under DATA_LIMIT)."""
+        return int(self.subset[idx]) if self.subset is not None else int(idx)
+
+    def get_labels(self, label_source: int = 0) -> np.ndarray:
+        """The labels of every sample, in dataset order, for label source ``label_source``."""
+        if self.label_type == "sample_index":
+            return np.arange(len(self), dtype=np.int64)
+        if self.label_type == "zero":
+            return np.zeros(len(self), dtype=np.int64)
+        if not self.label_arrays:
+            raise UserError(f"{data_key(self.split, 'LABEL_SOURCES')} is empty: this dataset has no labels")
+        arr = self.label_arrays[label_source]
+        return np.asarray(arr[self.subset] if self.subset is not None else arr)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch used for bare-int keys (the sampler's ``(epoch, idx)`` keys override it)."""
+        self.epoch = int(epoch)
+
+    # -- loading --------------------------------------------------------------------------
+
+    def _labels_for(self, idx: int, used_idx: int) -> List[int]:
+        if self.label_type == "sample_index":
+            return [idx] * len(self.sources)
+        if self.label_type == "zero":
+            return [0] * len(self.sources)
+        j = self.source_index(used_idx)
+        return [int(arr[j]) for arr in self.label_arrays]
+
+    def _read(self, idx: int) -> List[Any]:
+        j = self.source_index(idx)
+        return [src.get(j) for src in self.sources]
+
+    def _load(self, idx: int) -> Tuple[List[Any], int]:
+        """The images of sample ``idx``, or of the next readable sample when ``idx`` cannot be decoded."""
+        n = len(self)
+        for step in range(n):
+            j = (idx + step) % n
+            if j in self._bad:
+                continue
+            try:
+                return self._read(j), j
+            except UnreadableImageError as exc:
+                if self.on_corrupt_image == "error":
+                    raise UserError(
+                        f"{self.split} image {exc.path!r} cannot be read ({exc.reason}); remove it from "
+                        f"the data, or set {data_key(self.split, 'ON_CORRUPT_IMAGE')}=skip to replace "
+                        f"unreadable images with the next readable one"
+                    ) from None
+                self._bad.add(j)
+                if exc.path not in self._warned:
+                    self._warned.add(exc.path)
+                    logger.warning(
+                        "skipping unreadable %s image %r (%s); sample %d is replaced by the next readable one "
+                        "(%s=skip)",
+                        self.split,
+                        exc.path,
+                        exc.reason,
+                        j,
+                        data_key(self.split, "ON_CORRUPT_IMAGE"),
+                    )
+        raise UserError(f"none of the {n} {self.split} images can be read (see the warnings above for the files)")
+
+    def __getitem__(self, key: Union[int, Tuple[int, int]]) -> Dict[str, Any]:
+        if isinstance(key, (tuple, list)):
+            epoch, idx = int(key[0]), int(key[1])
+        else:
+            epoch, idx = self.epoch, int(key)
+        n = len(self)
+        if not 0 <= idx < n:
+            raise IndexError(f"sample index {idx} out of range for a dataset of {n}")
+        images, used = self._load(idx)
+        if used != idx:
+            self.num_skipped += 1
+        k = len(images)
+        sample: Dict[str, Any] = {
+            "data": images,
+            "label": self._labels_for(idx, used),
+            "data_valid": [1 if used == idx else -1] * k,
+            "data_idx": [idx] * k,
+        }
+        with seeded_rng(sample_seed(self.seed, epoch, idx)):
+            sample = self.transforms(sample)
+        return sample
+
+    def __repr__(self) -> str:
+        return (
+            f"SSLDataset(split={self.split}, sources={self.source_names}, len={len(self)}, "
+            f"label_type={self.label_type}, transforms={self.transforms!r})"
+        )
+
+
+# ------------------------------------------------------------------------------------ build
+
+
+def _data_limit_subset(
+    n: int, scfg: Any, split: str, label_arrays: Sequence[np.ndarray]
+) -> Optional[np.ndarray]:
+    """Indices kept by ``DATA_LIMIT``: the first N of a ``DATA_LIMIT_SAMPLING.SEED`` permutation (sorted)."""
+    limit = int(scfg.get("DATA_LIMIT", -1))
+    if limit == -1:
+        return None
+    if limit <= 0:
+        raise UserError(f"{data_key(split, 'DATA_LIMIT')} is {limit}; use -1 for all samples or a positive number")
+    sampling = scfg.get("DATA_LIMIT_SAMPLING", {}) or {}
+    skip = int(sampling.get("SKIP_NUM_SAMPLES", 0))
+    balanced = bool(sampling.get("IS_BALANCED", False))
+    if limit >= n and skip == 0:
+        return None
+    if skip < 0 or skip + limit > n:
+        raise UserError(
+            f"{data_key(split, 'DATA_LIMIT')}={limit} with DATA_LIMIT_SAMPLING.SKIP_NUM_SAMPLES={skip} needs "
+            f"{skip + limit} samples but the {split} data has {n}"
+        )
+    perm = np.random.RandomState(int(sampling.get("SEED", 0)) % (1 << 32)).permutation(n)[skip:]
+    if not balanced:
+        return np.sort(perm[:limit])
+    if not label_arrays:
+        raise UserError(
+            f"{data_key(split, 'DATA_LIMIT_SAMPLING.IS_BALANCED')} needs labels; set "
+            f"{data_key(split, 'LABEL_SOURCES')} or IS_BALANCED=False"
+        )
+    labels = np.asarray(label_arrays[0])
+    classes = np.unique(labels)
+    quota = {c: limit // len(classes) + (1 if i < limit % len(classes) else 0) for i, c in enumerate(classes)}
+    taken: List[int] = []
+    for j in perm:
+        c = labels[j]
+        if quota[c] > 0:
+            quota[c] -= 1
+            taken.append(int(j))
+    short = {int(c): q for c, q in quota.items() if q > 0}
+    if short:
+        raise UserError(
+            f"{data_key(split, 'DATA_LIMIT')}={limit} with IS_BALANCED needs {limit // len(classes)}+ samples per "
+            f"class; classes short by {short}"
+        )
+    return np.sort(np.asarray(taken, dtype=np.int64))
+
+
+def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: List[Any], n: int) -> List[np.ndarray]:
+    label_names = list(scfg.get("LABEL_SOURCES", []) or [])
+    label_paths = normalize_paths(scfg.get("LABEL_PATHS", []), split, "LABEL_PATHS")
+    data_paths = normalize_paths(scfg.get("DATA_PATHS", []), split, "DATA_PATHS")
+    arrays: List[np.ndarray] = []
+    for j, name in enumerate(label_names):
+        where = f"{data_key(split, 'LABEL_SOURCES')}[{j}]"
+        lpath = source_path(label_paths, j)
+        if name == "disk_filelist":
+            arr = load_filelist_labels(lpath, split, j)
+            origin = f"{data_key(split, 'LABEL_PATHS')}[{j}] ({lpath!r})"
+        else:
+            if name not in DATA_SOURCES:
+                raise UserError(
+                    f"{where}: unknown label source {name!r}{did_you_mean(str(name), DATA_SOURCES.names())}; "
+                    f"known: {', '.join(DATA_SOURCES.names())}"
+                )
+            same = j < len(names) and names[j] == name and (not lpath or lpath == source_path(data_paths, j))
+            src = sources[j] if same else build_source(name, cfg, lpath or source_path(data_paths, j), split, j)
+            if not callable(getattr(src, "labels", None)):
+                raise UserError(f"{where}: data source {name!r} provides no labels; use a source that has labels")
+            arr = np.asarray(src.labels())
+            origin = f"{where} ({name}{', ' + repr(lpath) if lpath else ''})"
+        if len(arr) != n:
+            raise UserError(
+                f"{origin} has {len(arr)} labels but the {split} data ({data_key(split, 'DATA_PATHS')}) has "
+                f"{n} samples; they must match one to one"
+            )
+        arrays.append(arr)
+    return arrays
+
+
+def build_dataset(cfg: Any, split: str) -> SSLDataset:
+    """The ``SSLDataset`` of ``cfg.DATA[split]`` (``split`` is "TRAIN" or "TEST"); ``cfg`` is the full config."""
+    data = cfg.get("DATA", {}) or {}
+    if split not in data:
+        raise UserError(f"config.DATA.{split} is missing; the {split} split needs DATA_SOURCES, DATA_PATHS, ...")
+    scfg = data[split]
+    names = list(scfg.get("DATA_SOURCES", []) or [])
+    if not names:
+        raise UserError(
+            f"{data_key(split, 'DATA_SOURCES')} is empty but the {split} split is used; name one source per "
+            f"input, known: {', '.join(DATA_SOURCES.names())}"
+        )
+    paths = normalize_paths(scfg.get("DATA_PATHS", []), split, "DATA_PATHS")
+    sources = [build_source(name, cfg, source_path(paths, i), split, i) for i, name in enumerate(names)]
+    lengths = [len(s) for s in sources]
+    if len(set(lengths)) > 1:
+        detail = ", ".join(f"{nm}={ln}" for nm, ln in zip(names, lengths))
+        raise UserError(f"{data_key(split, 'DATA_SOURCES')}: all sources must have the same length, got {detail}")
+    n = lengths[0]
+    if n == 0:
+        raise UserError(f"{data_key(split, 'DATA_PATHS')}: the {split} data is empty")
+    label_type = str(scfg.get("LABEL_TYPE", "standard"))
+    if label_type not in LABEL_TYPES:
+        raise UserError(f"{data_key(split, 'LABEL_TYPE')} is {label_type!r}; valid: {', '.join(LABEL_TYPES)}")
+    labels = _label_arrays(cfg, scfg, split, names, sources, n)
+    subset = _data_limit_subset(n, scfg, split, labels)
+    return SSLDataset(
+        sources=sources,
+        transforms=build_transforms(cfg, split),
+        label_arrays=labels,
+        label_type=label_type,
+        seed=int(cfg.get("SEED_VALUE", 0)),
+        split=split,
+        subset=subset,
+        on_corrupt_image=str(scfg.get("ON_CORRUPT_IMAGE", "skip")),
+        source_names=names,
+    )

@@ -1,0 +1,116 @@
+"""The DataLoader of one split: stateful sampler, collator, persistent workers.
+
+The task builds one loader per split and, at each phase, calls::
+
+    set_loader_position(loader, epoch, start_iter)   # or loader.sampler.set_epoch / set_start_iter
+    it = iter(loader)
+
+Workers persist across phases (``persistent_workers``); the sampler yields ``(epoch, idx)`` so
+they need no epoch message. The loader draws its worker base seed from its own generator seeded
+from (SEED_VALUE, rank), never from the global torch generator.
+"""
+
+import random
+from typing import Any, Dict
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from ssl_engine.data.collators import build_collator
+from ssl_engine.data.sampler import StatefulDistributedSampler
+from ssl_engine.data.sources import data_key
+from ssl_engine.errors import UserError
+
+
+def worker_init_fn(worker_id: int) -> None:
+    """Seed numpy and python ``random`` in a worker from torch's per-worker seed.
+
+    Harmless by design: the dataset reseeds every generator per sample; this only keeps user
+    code that draws randomness outside ``__getitem__`` from sharing one stream across workers.
+    """
+    seed = torch.initial_seed()
+    np.random.seed(seed % (1 << 32))
+    random.seed(seed)
+
+
+def build_dataloader(
+    dataset: Any, cfg: Any, split: str, rank: int, world_size: int, device: str
+) -> DataLoader:
+    """A DataLoader over ``dataset`` for ``split`` on ``rank`` of ``world_size`` processes.
+
+    Keys: ``DATA.<split>.BATCHSIZE_PER_REPLICA``, ``DATA.<split>.DROP_LAST``,
+    ``DATA.<split>.COLLATE_FUNCTION``, ``DATA.<split>.COLLATE_FUNCTION_PARAMS``,
+    ``DATA.NUM_DATALOADER_WORKERS``, ``DATA.PIN_MEMORY`` (only when ``device`` is a GPU),
+    ``MULTI_PROCESSING_METHOD`` (workers' start method), ``SEED_VALUE``.
+    Only TRAIN is shuffled.
+    """
+    data = cfg.get("DATA", {}) or {}
+    scfg = data.get(split, {}) or {}
+    batch_size = int(scfg.get("BATCHSIZE_PER_REPLICA", 256))
+    if batch_size < 1:
+        raise UserError(f"{data_key(split, 'BATCHSIZE_PER_REPLICA')} must be >= 1, got {batch_size}")
+    drop_last = bool(scfg.get("DROP_LAST", False))
+    n = len(dataset)
+    if n == 0:
+        raise UserError(f"the {split} dataset is empty; check {data_key(split, 'DATA_PATHS')}")
+    if drop_last and n < batch_size * world_size:
+        raise UserError(
+            f"{data_key(split, 'DROP_LAST')} is True but the {split} dataset has {n} samples, fewer than one "
+            f"global batch ({data_key(split, 'BATCHSIZE_PER_REPLICA')}={batch_size} x world size {world_size} = "
+            f"{batch_size * world_size}): every batch would be dropped; lower BATCHSIZE_PER_REPLICA or set "
+            f"DROP_LAST=False"
+        )
+    seed = int(cfg.get("SEED_VALUE", 0))
+    sampler = StatefulDistributedSampler(
+        n,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=(split == "TRAIN"),
+        seed=seed,
+        drop_last=drop_last,
+        batch_size=batch_size,
+    )
+    collate_fn = build_collator(
+        str(scfg.get("COLLATE_FUNCTION", "default_collate")), scfg.get("COLLATE_FUNCTION_PARAMS", {}) or {}, split
+    )
+    num_workers = int(data.get("NUM_DATALOADER_WORKERS", 0))
+    if num_workers < 0:
+        raise UserError(f"config.DATA.NUM_DATALOADER_WORKERS must be >= 0, got {num_workers}")
+    pin = bool(data.get("PIN_MEMORY", True)) and str(device).lower() in ("gpu", "cuda") and torch.cuda.is_available()
+    generator = torch.Generator()
+    generator.manual_seed((seed * 1_000_003 + rank) % (1 << 63))
+    kwargs: Dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs["persistent_workers"] = True
+        kwargs["worker_init_fn"] = worker_init_fn
+        method = cfg.get("MULTI_PROCESSING_METHOD")
+        if method:
+            kwargs["multiprocessing_context"] = str(method)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin,
+        drop_last=drop_last,
+        generator=generator,
+        **kwargs,
+    )
+
+
+def set_loader_position(loader: DataLoader, epoch: int, start_iter: int = 0) -> None:
+    """Make the next ``iter(loader)`` yield epoch ``epoch`` from batch ``start_iter`` on."""
+    loader.sampler.set_epoch(epoch)
+    loader.sampler.set_start_iter(start_iter)
+
+
+def get_loader_state(loader: DataLoader) -> Dict[str, Any]:
+    """The sampler position (epoch, start_iter, seed) as plain ints, for checkpoints."""
+    return loader.sampler.state_dict()
+
+
+def set_loader_state(loader: DataLoader, state: Dict[str, Any]) -> None:
+    """Restore what ``get_loader_state`` returned."""
+    loader.sampler.load_state_dict(state)

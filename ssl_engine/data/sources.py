@@ -1,0 +1,366 @@
+"""Data sources: where the images of one input come from.
+
+A data source is registered in ``DATA_SOURCES`` under the name a user writes in
+``config.DATA.<split>.DATA_SOURCES`` (or ``LABEL_SOURCES``). It is constructed as
+``Source(cfg, path, split, source_index)`` with the FULL config, and provides
+
+- ``__len__()``: the number of images,
+- ``get(idx) -> PIL.Image.Image``: image ``idx`` in RGB (raise ``UnreadableImageError`` when
+  the file cannot be decoded, so the dataset can apply ``ON_CORRUPT_IMAGE``),
+- optionally ``labels() -> np.ndarray``: one integer label per image (makes it usable as a
+  label source).
+
+Sources are deterministic: ``get(idx)`` is the same image in every process, so that data
+order and augmentation depend only on (seed, epoch, sample index) (DESIGN rule 8).
+"""
+
+import functools
+import os
+from typing import Any, List, Sequence, Tuple
+
+import numpy as np
+from PIL import Image
+
+from ssl_engine.errors import UserError
+from ssl_engine.registry import DATA_SOURCES
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+_SPLIT_CODES = {"TRAIN": 1, "TEST": 2}
+
+
+class UnreadableImageError(Exception):
+    """An image file exists in the data list but cannot be opened or decoded."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"cannot read image {path!r}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def split_cfg(cfg: Any, split: str) -> Any:
+    """``cfg.DATA[split]`` (an empty dict when absent), so sources can read their own keys."""
+    data = cfg.get("DATA", {}) if hasattr(cfg, "get") else {}
+    return data.get(split, {}) or {}
+
+
+def data_key(split: str, key: str) -> str:
+    """The dotted config path of a per-split data key, for error messages."""
+    return f"config.DATA.{split}.{key}"
+
+
+def open_rgb(path: str) -> Image.Image:
+    """Open ``path`` with PIL, decode it fully and convert to RGB; ``UnreadableImageError`` if not."""
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            img.load()
+            return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise UnreadableImageError(path, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _split_code(split: str) -> int:
+    return _SPLIT_CODES.get(split, sum(ord(c) for c in split) + 3)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser: a fast, well-mixed hash of uint64 values (vectorised)."""
+    x = x.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return x
+
+
+@DATA_SOURCES.register("synthetic")
+class SyntheticSource:
+    """Seeded random RGB images with learnable classes, for tests and quick runs (no files).
+
+    Image ``i`` is a pure function of (SEED_VALUE, split, i). Its class decides a mean colour
+    and a sinusoidal stripe pattern (orientation and frequency) that depend only on
+    (SEED_VALUE, class), so a model trained on TRAIN generalises to TEST; per-image noise,
+    brightness and phase make it less than trivial.
+
+    Keys: ``DATA.<split>.SYNTHETIC_IMAGE_SIZE`` (32), ``DATA.<split>.SYNTHETIC_NUM_CLASSES`` (10);
+    length is ``DATA.<split>.DATA_LIMIT`` or 1000 when it is -1.
+    """
+
+    def __init__(self, cfg: Any, path: str, split: str, source_index: int) -> None:
+        scfg = split_cfg(cfg, split)
+        self.seed = int(cfg.get("SEED_VALUE", 0)) % (1 << 63)
+        self.split = split
+        self.size = int(scfg.get("SYNTHETIC_IMAGE_SIZE", 32))
+        self.num_classes = int(scfg.get("SYNTHETIC_NUM_CLASSES", 10))
+        limit = int(scfg.get("DATA_LIMIT", -1))
+        self.length = limit if limit > 0 else 1000
+        if self.size < 1:
+            raise UserError(f"{data_key(split, 'SYNTHETIC_IMAGE_SIZE')} must be >= 1, got {self.size}")
+        if self.num_classes < 1:
+            raise UserError(f"{data_key(split, 'SYNTHETIC_NUM_CLASSES')} must be >= 1, got {self.num_classes}")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def labels(self) -> np.ndarray:
+        return self._hash_labels(np.arange(self.length, dtype=np.uint64))
+
+    def _hash_labels(self, idx: np.ndarray) -> np.ndarray:
+        key = np.uint64((self.seed * 1_000_003 + _split_code(self.split) * 7919) & 0xFFFFFFFFFFFFFFFF)
+        with np.errstate(over="ignore"):
+            h = _mix64(idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key)
+        return (h % np.uint64(self.num_classes)).astype(np.int64)
+
+    def _class_style(self, label: int) -> Tuple[np.ndarray, float, float]:
+        rng = np.random.default_rng([self.seed, 0xC1A55, label])
+        colour = rng.uniform(40, 215, size=3)
+        angle = np.pi * label / self.num_classes
+        freq = 1.0 + (label % 4)
+        return colour, angle, freq
+
+    def get(self, idx: int) -> Image.Image:
+        if not 0 <= idx < self.length:
+            raise IndexError(f"synthetic image index {idx} out of range [0, {self.length})")
+        label = int(self._hash_labels(np.array([idx]))[0])
+        colour, angle, freq = self._class_style(label)
+        rng = np.random.default_rng([self.seed, _split_code(self.split), idx])
+        s = self.size
+        yy, xx = np.mgrid[0:s, 0:s].astype(np.float64) / s
+        phase = rng.uniform(0, 2 * np.pi)
+        wave = np.sin(2 * np.pi * freq * (np.cos(angle) * xx + np.sin(angle) * yy) + phase)
+        brightness = rng.uniform(0.8, 1.2)
+        img = colour[None, None, :] * brightness + 45.0 * wave[:, :, None]
+        img = img + rng.normal(0, 20.0, size=(s, s, 3))
+        return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), mode="RGB")
+
+
+_DIGITS_SPLIT_SEED = 20240601  # fixed: the TRAIN/TEST split of digits never depends on SEED_VALUE
+_DIGITS_TRAIN_FRACTION = 0.8
+
+
+@functools.lru_cache(maxsize=1)
+def _load_digits() -> Tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits  # bundled with scikit-learn, no download
+
+    d = load_digits()
+    return d.images.astype(np.float32), d.target.astype(np.int64)
+
+
+@DATA_SOURCES.register("digits")
+class DigitsSource:
+    """scikit-learn's bundled 8x8 handwritten digits (1797 images), upscaled to RGB.
+
+    TRAIN is the first 80% of a fixed-seed permutation and TEST the rest, so the split is the
+    same for every run. Key: ``DATA.<split>.DIGITS_IMAGE_SIZE`` (32). Labels are the digits.
+    """
+
+    def __init__(self, cfg: Any, path: str, split: str, source_index: int) -> None:
+        scfg = split_cfg(cfg, split)
+        self.size = int(scfg.get("DIGITS_IMAGE_SIZE", 32))
+        if self.size < 1:
+            raise UserError(f"{data_key(split, 'DIGITS_IMAGE_SIZE')} must be >= 1, got {self.size}")
+        images, targets = _load_digits()
+        perm = np.random.RandomState(_DIGITS_SPLIT_SEED).permutation(len(images))
+        n_train = int(round(_DIGITS_TRAIN_FRACTION * len(images)))
+        if split == "TRAIN":
+            self.indices = perm[:n_train]
+        elif split == "TEST":
+            self.indices = perm[n_train:]
+        else:
+            raise UserError(f"digits data source: unknown split {split!r}; valid: TRAIN, TEST")
+        self.indices = np.sort(self.indices)
+        self._images = images
+        self._targets = targets
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def labels(self) -> np.ndarray:
+        return self._targets[self.indices].copy()
+
+    def get(self, idx: int) -> Image.Image:
+        arr = self._images[self.indices[idx]] * (255.0 / 16.0)
+        img = Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), mode="L")
+        img = img.resize((self.size, self.size), Image.BILINEAR)
+        return img.convert("RGB")
+
+
+def _check_dir(path: str, split: str, source_index: int) -> None:
+    key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
+    if not path:
+        raise UserError(f"{key} is missing: the disk_folder source needs a folder path")
+    if not os.path.exists(path):
+        raise UserError(f"{key}: folder {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise UserError(f"{key}: {path!r} is not a folder (disk_folder expects one subfolder per class)")
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) -> Tuple[List[str], np.ndarray, List[str]]:
+    """(image paths, labels, class names) of a class-per-subfolder tree, in sorted order.
+
+    Like torchvision's ImageFolder: class names are the sorted subfolder names and their label
+    ids are their positions; images are found recursively, in sorted order.
+    """
+    _check_dir(path, split, source_index)
+    key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
+    classes = sorted(e.name for e in os.scandir(path) if e.is_dir())
+    paths: List[str] = []
+    labels: List[int] = []
+    for label, cls in enumerate(classes):
+        for root, dirs, files in sorted(os.walk(os.path.join(path, cls), followlinks=True)):
+            dirs.sort()
+            for name in sorted(files):
+                if _is_image(name):
+                    paths.append(os.path.join(root, name))
+                    labels.append(label)
+    if not paths:
+        loose = [n for n in os.listdir(path) if _is_image(n)]
+        hint = (
+            f"; it holds {len(loose)} image(s) directly, but disk_folder expects one subfolder per class "
+            f"(<folder>/<class>/<image>)"
+            if loose
+            else f"; expected <folder>/<class>/<image> with extensions {', '.join(IMG_EXTENSIONS)}"
+        )
+        raise UserError(f"{key}: folder {path!r} contains no images{hint}")
+    return paths, np.asarray(labels, dtype=np.int64), classes
+
+
+@DATA_SOURCES.register("disk_folder")
+class DiskFolderSource:
+    """Images in a class-per-subfolder tree (torchvision ImageFolder layout), opened lazily."""
+
+    def __init__(self, cfg: Any, path: str, split: str, source_index: int) -> None:
+        self.root = path
+        self.paths, self._labels, self.classes = scan_image_folder(path, split, source_index)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def labels(self) -> np.ndarray:
+        return self._labels.copy()
+
+    def path(self, idx: int) -> str:
+        return self.paths[idx]
+
+    def get(self, idx: int) -> Image.Image:
+        return open_rgb(self.paths[idx])
+
+
+def load_list_file(path: str, what: str, key: str, mmap: bool = False) -> np.ndarray:
+    """Load a .npy array or a .txt list (one entry per line) named by config ``key``."""
+    if not path:
+        raise UserError(f"{key} is missing: {what} needs a .npy or .txt file")
+    if not os.path.isfile(path):
+        raise UserError(f"{key}: file {path!r} does not exist")
+    if path.endswith(".npy"):
+        try:
+            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except ValueError as exc:
+            raise UserError(
+                f"{key}: cannot load {path!r} without pickle ({exc}); save it as a plain array, "
+                f"e.g. np.save(path, np.array(entries, dtype=str))"
+            ) from exc
+    if path.endswith(".txt"):
+        with open(path, "r", encoding="utf-8") as f:
+            return np.asarray([line.strip() for line in f if line.strip()])
+    raise UserError(f"{key}: {path!r} must be a .npy or .txt file")
+
+
+@DATA_SOURCES.register("disk_filelist")
+class DiskFilelistSource:
+    """Images listed in a file (.npy array of paths, or .txt with one path per line).
+
+    Keys: ``DATA.<split>.MMAP_MODE`` (True: memory-map the .npy list),
+    ``REMOVE_IMG_PATH_PREFIX`` / ``NEW_IMG_PATH_PREFIX`` ('': rewrite path prefixes, e.g. when
+    the list was made on another machine). As a label source, ``LABEL_PATHS[i]`` is a .npy
+    (or .txt) of integer labels; see ``load_filelist_labels``.
+    """
+
+    def __init__(self, cfg: Any, path: str, split: str, source_index: int) -> None:
+        scfg = split_cfg(cfg, split)
+        key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
+        self.list_path = path
+        self._paths = load_list_file(path, "disk_filelist", key, mmap=bool(scfg.get("MMAP_MODE", True)))
+        if self._paths.ndim != 1:
+            raise UserError(f"{key}: {path!r} must hold a 1-D list of image paths, got shape {self._paths.shape}")
+        if len(self._paths) == 0:
+            raise UserError(f"{key}: file list {path!r} is empty")
+        self.remove_prefix = str(scfg.get("REMOVE_IMG_PATH_PREFIX", "") or "")
+        self.new_prefix = str(scfg.get("NEW_IMG_PATH_PREFIX", "") or "")
+        first = self.path(0)
+        if not os.path.exists(first):
+            raise UserError(
+                f"{key}: the first image listed in {path!r}, {first!r}, does not exist; fix the list or "
+                f"rewrite prefixes with {data_key(split, 'REMOVE_IMG_PATH_PREFIX')} / "
+                f"{data_key(split, 'NEW_IMG_PATH_PREFIX')}"
+            )
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def path(self, idx: int) -> str:
+        p = str(self._paths[idx])
+        if self.remove_prefix and p.startswith(self.remove_prefix):
+            p = p[len(self.remove_prefix):]
+            p = self.new_prefix + p
+        elif self.new_prefix and not self.remove_prefix:
+            p = self.new_prefix + p
+        return p
+
+    def get(self, idx: int) -> Image.Image:
+        p = self.path(idx)
+        if not os.path.exists(p):
+            raise UnreadableImageError(p, "file does not exist")
+        return open_rgb(p)
+
+
+def load_filelist_labels(path: str, split: str, label_index: int) -> np.ndarray:
+    """Integer labels from ``LABEL_PATHS[label_index]`` (.npy or .txt, one label per image)."""
+    key = f"{data_key(split, 'LABEL_PATHS')}[{label_index}]"
+    arr = np.asarray(load_list_file(path, "the disk_filelist label source", key, mmap=False))
+    if arr.ndim != 1:
+        raise UserError(f"{key}: {path!r} must hold a 1-D array of integer labels, got shape {arr.shape}")
+    try:
+        return arr.astype(np.int64)
+    except ValueError as exc:
+        raise UserError(f"{key}: {path!r} must hold integer labels ({exc})") from exc
+
+
+def normalize_paths(paths: Any, split: str, key: str) -> List[str]:
+    """Turn ``DATA_PATHS`` / ``LABEL_PATHS`` (list of str, or list of one-element lists) into a list of str."""
+    if paths is None:
+        return []
+    if isinstance(paths, str):
+        return [paths]
+    out: List[str] = []
+    for i, p in enumerate(paths):
+        if isinstance(p, (list, tuple)):
+            if len(p) == 0:
+                out.append("")
+            elif len(p) == 1:
+                out.append(str(p[0]))
+            else:
+                raise UserError(
+                    f"{data_key(split, key)}[{i}] lists {len(p)} paths; give one path per source "
+                    f"(a folder for disk_folder, a .npy/.txt list for disk_filelist)"
+                )
+        else:
+            out.append("" if p is None else str(p))
+    return out
+
+
+def source_path(paths: Sequence[str], i: int) -> str:
+    """``paths[i]`` or '' when the list is shorter (synthetic/digits need no path)."""
+    return paths[i] if i < len(paths) else ""
+
+
+def build_source(name: str, cfg: Any, path: str, split: str, index: int) -> Any:
+    """Construct the registered source ``name`` (unknown names are a UserError from the registry)."""
+    cls = DATA_SOURCES.get(name)
+    return cls(cfg, path, split, index)
+

@@ -1,0 +1,313 @@
+"""Image transforms found by name, and the wrapper that applies a yaml transform list to a sample.
+
+Every class of ``torchvision.transforms`` is registered in ``TRANSFORMS`` under its own name,
+next to VISSL's PIL transforms (``ImgReplicatePil``, ``ImgPilColorDistortion``,
+``ImgPilGaussianBlur``, ``ImgPilToMultiCrop``, ``ImgPilRandomSolarize``). A config lists them as
+VISSL does::
+
+    TRANSFORMS:
+      - name: ImgReplicatePil
+        num_times: 2
+      - name: RandomResizedCrop
+        size: 32
+      - name: ImgPilGaussianBlur      # only on the first view
+        indices: [0]
+        p: 1.0
+        radius_min: 0.1
+        radius_max: 2.0
+      - name: ToTensor
+
+All randomness is drawn from torch's global generator (or python ``random`` / numpy for user
+transforms); the dataset reseeds those around each call from (seed, epoch, index), which is
+what makes augmentation independent of workers and resumption (DESIGN rule 8).
+"""
+
+import copy
+import enum
+import inspect
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torchvision.transforms as T
+from PIL import Image, ImageFilter, ImageOps
+
+from ssl_engine.errors import UserError
+from ssl_engine.registry import TRANSFORMS
+
+# ----------------------------------------------------------------------------- torchvision
+
+
+def _register_torchvision() -> None:
+    for name in dir(T):
+        obj = getattr(T, name)
+        if not inspect.isclass(obj) or issubclass(obj, enum.Enum) or name.startswith("_"):
+            continue
+        if name not in TRANSFORMS:
+            TRANSFORMS.register(name)(obj)
+
+
+_register_torchvision()
+
+
+# ----------------------------------------------------------------------------- VISSL's
+
+
+def _require_pil(img: Any, name: str) -> None:
+    if not isinstance(img, Image.Image):
+        raise TypeError(f"{name} expects a PIL image, got {type(img).__name__}; list it before ToTensor")
+
+
+def _copy_image(img: Any) -> Any:
+    if isinstance(img, torch.Tensor):
+        return img.clone()
+    if isinstance(img, Image.Image):
+        return img.copy()
+    return copy.deepcopy(img)
+
+
+@TRANSFORMS.register("ImgReplicatePil")
+class ImgReplicatePil:
+    """Return ``num_times`` copies of the image; the sample then holds that many views."""
+
+    def __init__(self, num_times: int = 2) -> None:
+        if int(num_times) < 1:
+            raise ValueError(f"num_times must be >= 1, got {num_times}")
+        self.num_times = int(num_times)
+
+    def __call__(self, img: Any) -> List[Any]:
+        return [_copy_image(img) for _ in range(self.num_times)]
+
+    def __repr__(self) -> str:
+        return f"ImgReplicatePil(num_times={self.num_times})"
+
+
+@TRANSFORMS.register("ImgPilColorDistortion")
+class ImgPilColorDistortion:
+    """SimCLR's colour distortion: jitter (0.8s, 0.8s, 0.8s, 0.2s) with p 0.8, then grayscale with p 0.2."""
+
+    def __init__(self, strength: float = 1.0) -> None:
+        s = float(strength)
+        if s < 0:
+            raise ValueError(f"strength must be >= 0, got {strength}")
+        self.strength = s
+        self.transform = T.Compose(
+            [
+                T.RandomApply([T.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s)], p=0.8),
+                T.RandomGrayscale(p=0.2),
+            ]
+        )
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        return self.transform(img)
+
+    def __repr__(self) -> str:
+        return f"ImgPilColorDistortion(strength={self.strength})"
+
+
+@TRANSFORMS.register("ImgPilGaussianBlur")
+class ImgPilGaussianBlur:
+    """With probability ``p``, blur a PIL image with a radius drawn uniformly in [radius_min, radius_max]."""
+
+    def __init__(self, p: float = 0.5, radius_min: float = 0.1, radius_max: float = 2.0) -> None:
+        if not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"p must be in [0, 1], got {p}")
+        if float(radius_min) < 0 or float(radius_max) < float(radius_min):
+            raise ValueError(f"need 0 <= radius_min <= radius_max, got {radius_min}, {radius_max}")
+        self.p, self.radius_min, self.radius_max = float(p), float(radius_min), float(radius_max)
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        _require_pil(img, "ImgPilGaussianBlur")
+        if torch.rand(()).item() >= self.p:
+            return img
+        radius = self.radius_min + (self.radius_max - self.radius_min) * torch.rand(()).item()
+        return img.filter(ImageFilter.GaussianBlur(radius=radius))
+
+    def __repr__(self) -> str:
+        return f"ImgPilGaussianBlur(p={self.p}, radius_min={self.radius_min}, radius_max={self.radius_max})"
+
+
+@TRANSFORMS.register("ImgPilRandomSolarize")
+class ImgPilRandomSolarize:
+    """With probability ``prob``, solarize a PIL image (invert pixels above ``threshold``), as in BYOL."""
+
+    def __init__(self, prob: float = 0.2, threshold: int = 128) -> None:
+        if not 0.0 <= float(prob) <= 1.0:
+            raise ValueError(f"prob must be in [0, 1], got {prob}")
+        self.prob, self.threshold = float(prob), int(threshold)
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        _require_pil(img, "ImgPilRandomSolarize")
+        if torch.rand(()).item() >= self.prob:
+            return img
+        return ImageOps.solarize(img, threshold=self.threshold)
+
+
+@TRANSFORMS.register("ImgPilToMultiCrop")
+class ImgPilToMultiCrop:
+    """SwAV's multi-crop: ``num_crops[i]`` random resized crops of size ``size_crops[i]`` and scale ``crop_scales[i]``.
+
+    Returns a list of ``total_num_crops`` views, group by group (e.g. 2 large then 6 small).
+    """
+
+    def __init__(
+        self,
+        total_num_crops: int,
+        num_crops: Sequence[int],
+        size_crops: Sequence[int],
+        crop_scales: Sequence[Sequence[float]],
+    ) -> None:
+        num_crops, size_crops, crop_scales = list(num_crops), list(size_crops), [list(s) for s in crop_scales]
+        if not (len(num_crops) == len(size_crops) == len(crop_scales)):
+            raise ValueError(
+                f"num_crops, size_crops and crop_scales must have the same length, got "
+                f"{len(num_crops)}, {len(size_crops)}, {len(crop_scales)}"
+            )
+        if sum(int(n) for n in num_crops) != int(total_num_crops):
+            raise ValueError(f"total_num_crops={total_num_crops} but sum(num_crops)={sum(num_crops)}")
+        for sc in crop_scales:
+            if len(sc) != 2 or not 0 < sc[0] <= sc[1]:
+                raise ValueError(f"each crop_scales entry must be [min, max] with 0 < min <= max, got {sc}")
+        self.total_num_crops = int(total_num_crops)
+        self.crops: List[Tuple[int, T.RandomResizedCrop]] = [
+            (int(n), T.RandomResizedCrop(int(size), scale=(float(sc[0]), float(sc[1]))))
+            for n, size, sc in zip(num_crops, size_crops, crop_scales)
+        ]
+
+    def __call__(self, img: Image.Image) -> List[Image.Image]:
+        out: List[Image.Image] = []
+        for n, crop in self.crops:
+            out.extend(crop(img) for _ in range(n))
+        return out
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{n}x{c.size}" for n, c in self.crops)
+        return f"ImgPilToMultiCrop({groups})"
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _convert_param(key: str, value: Any, where: str) -> Any:
+    """Yaml-friendly parameter values: interpolation names, nested transform lists, lists as tuples."""
+    if key == "interpolation" and isinstance(value, str):
+        try:
+            return T.InterpolationMode[value.upper()]
+        except KeyError:
+            valid = ", ".join(m.name.lower() for m in T.InterpolationMode)
+            raise UserError(f"{where}: unknown interpolation {value!r}; valid: {valid}") from None
+    if key == "transforms" and isinstance(value, (list, tuple)) and all(isinstance(v, dict) for v in value):
+        return [build_transform(v, f"{where}.transforms[{i}]")[1] for i, v in enumerate(value)]
+    return value
+
+
+def build_transform(spec: Dict[str, Any], where: str = "transform") -> Tuple[str, Any, Optional[List[int]]]:
+    """``(name, transform, indices)`` from one yaml entry ``{"name": ..., "indices": [...], **params}``.
+
+    ``where`` names the config entry in error messages (e.g. ``config.DATA.TRAIN.TRANSFORMS[2]``).
+    """
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise UserError(f"{where} must be a mapping with a 'name' key (e.g. {{name: ToTensor}}), got {spec!r}")
+    params = {k: v for k, v in dict(spec).items() if k not in ("name", "indices")}
+    name = spec["name"]
+    if not isinstance(name, str):
+        raise UserError(f"{where}.name must be a transform name (a string), got {name!r}")
+    try:
+        cls = TRANSFORMS.get(name)
+    except UserError as exc:  # the registry's message lists the known names
+        raise UserError(f"{where}: {exc}") from None
+    params = {k: _convert_param(k, v, where) for k, v in params.items()}
+    try:
+        transform = cls(**params)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{where}: bad parameters for transform {name!r} {params!r}: {exc}") from exc
+    indices = spec.get("indices")
+    if indices is not None:
+        if isinstance(indices, int):
+            indices = [indices]
+        if not isinstance(indices, (list, tuple)) or not all(isinstance(i, int) for i in indices):
+            raise UserError(f"{where}.indices must be a list of ints (data entry positions), got {indices!r}")
+        indices = list(indices)
+    return name, transform, indices
+
+
+def _replicate(values: List[Any], counts: List[int]) -> List[Any]:
+    out: List[Any] = []
+    for v, c in zip(values, counts):
+        out.extend([v] * c)
+    return out
+
+
+class SSLTransformsWrapper:
+    """Applies a VISSL-style transform list to a sample dict, entry by entry.
+
+    ``sample["data"]`` is a list (one entry per data source at first). Each transform applies to
+    the entries named by its ``indices`` (all by default). A transform that returns a list or
+    tuple (``ImgReplicatePil``, ``ImgPilToMultiCrop``, ``FiveCrop``) replaces its entry with that
+    many views; ``data_idx``, ``data_valid`` and ``label`` are replicated to stay aligned with the
+    views (``label`` when it has one entry per data entry, or a single entry).
+    """
+
+    def __init__(self, specs: Sequence[Dict[str, Any]], config_key: str = "config.DATA.<split>.TRANSFORMS") -> None:
+        if specs is None:
+            specs = []
+        if not isinstance(specs, (list, tuple)):
+            raise UserError(f"{config_key} must be a list of transforms, got {type(specs).__name__}")
+        self.config_key = config_key
+        self.transforms: List[Tuple[str, Any, Optional[List[int]]]] = [
+            build_transform(spec, f"{config_key}[{i}]") for i, spec in enumerate(specs)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.transforms)
+
+    def __repr__(self) -> str:
+        return "SSLTransformsWrapper([" + ", ".join(repr(t) for _, t, _ in self.transforms) + "])"
+
+    def __call__(self, sample: Dict[str, Any]) -> Dict[str, Any]:
+        for pos, (name, transform, indices) in enumerate(self.transforms):
+            data = sample["data"]
+            targets = range(len(data)) if indices is None else indices
+            for i in targets:
+                if not -len(data) <= i < len(data):
+                    raise UserError(
+                        f"{self.config_key}[{pos}] ({name}): index {i} in 'indices' is out of range; "
+                        f"the sample has {len(data)} data entries at this point"
+                    )
+            targets = sorted({i % len(data) for i in targets}) if data else []
+            outputs: Dict[int, Any] = {}
+            for i in targets:
+                try:
+                    outputs[i] = transform(data[i])
+                except (TypeError, ValueError) as exc:
+                    raise UserError(
+                        f"{self.config_key}[{pos}] ({name}) failed on data entry {i} "
+                        f"({type(data[i]).__name__}): {exc}"
+                    ) from exc
+            if any(isinstance(o, (list, tuple)) for o in outputs.values()):
+                new_data: List[Any] = []
+                counts: List[int] = []
+                for i, entry in enumerate(data):
+                    out = outputs.get(i, entry)
+                    views = list(out) if i in outputs and isinstance(out, (list, tuple)) else [out]
+                    new_data.extend(views)
+                    counts.append(len(views))
+                for key in ("data_idx", "data_valid"):
+                    if key in sample and len(sample[key]) == len(data):
+                        sample[key] = _replicate(sample[key], counts)
+                labels = sample.get("label")
+                if labels is not None:
+                    if len(labels) == len(data):
+                        sample["label"] = _replicate(labels, counts)
+                    elif len(labels) == 1:
+                        sample["label"] = list(labels) * len(new_data)
+                sample["data"] = new_data
+            else:
+                for i, out in outputs.items():
+                    data[i] = out
+        return sample
+
+
+def build_transforms(cfg: Any, split: str) -> SSLTransformsWrapper:
+    """The transform pipeline of ``cfg.DATA[split].TRANSFORMS``."""
+    specs = cfg.get("DATA", {}).get(split, {}).get("TRANSFORMS", []) or []
+    return SSLTransformsWrapper(specs, f"config.DATA.{split}.TRANSFORMS")

@@ -1,0 +1,527 @@
+"""Tests of ssl_engine.data: sources, seeded dataset, transforms, collators, sampler, loader."""
+
+import logging
+import os
+import random
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.data import (
+    SSLDataset,
+    StatefulDistributedSampler,
+    build_collator,
+    build_dataloader,
+    build_dataset,
+    build_transform,
+    default_collate,
+    get_loader_state,
+    set_loader_position,
+    simclr_collator,
+)
+from ssl_engine.data.transforms import SSLTransformsWrapper
+from ssl_engine.errors import UserError
+from ssl_engine.registry import COLLATORS, DATA_SOURCES, TRANSFORMS
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def make_cfg(split: str = "TRAIN", seed: int = 0, workers: int = 0, **split_keys: Any) -> AttrDict:
+    """A full config with one split filled in (only the keys the data code reads)."""
+    scfg: Dict[str, Any] = {
+        "DATA_SOURCES": ["synthetic"],
+        "DATA_PATHS": [],
+        "LABEL_SOURCES": ["synthetic"],
+        "LABEL_PATHS": [],
+        "LABEL_TYPE": "standard",
+        "DATA_LIMIT": 40,
+        "BATCHSIZE_PER_REPLICA": 4,
+        "DROP_LAST": False,
+        "TRANSFORMS": [],
+        "COLLATE_FUNCTION": "default_collate",
+        "COLLATE_FUNCTION_PARAMS": {},
+        "SYNTHETIC_IMAGE_SIZE": 16,
+    }
+    scfg.update(split_keys)
+    return AttrDict(
+        {
+            "SEED_VALUE": seed,
+            "MULTI_PROCESSING_METHOD": "fork",
+            "DATA": {"NUM_DATALOADER_WORKERS": workers, "PIN_MEMORY": False, split: scfg},
+        }
+    )
+
+
+AUG = [
+    {"name": "RandomResizedCrop", "size": 12},
+    {"name": "RandomHorizontalFlip"},
+    {"name": "ImgPilColorDistortion", "strength": 1.0},
+    {"name": "ToTensor"},
+]
+SIMCLR_AUG = [{"name": "ImgReplicatePil", "num_times": 2}] + AUG
+
+
+def write_image_tree(root: str, classes: Dict[str, int], size: int = 8) -> None:
+    """``classes[name]`` images under ``root/name/``, each a different solid colour."""
+    for c, (name, count) in enumerate(sorted(classes.items())):
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        for i in range(count):
+            Image.new("RGB", (size, size), (c * 40, i * 10, 100)).save(os.path.join(root, name, f"img{i}.png"))
+
+
+def tensors_equal(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_registries_hold_the_builtins() -> None:
+    for name in ("synthetic", "digits", "disk_folder", "disk_filelist"):
+        assert name in DATA_SOURCES
+    for name in ("default_collate", "default", "simclr_collator"):
+        assert name in COLLATORS
+    for name in (
+        "RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip", "ToTensor", "Normalize",
+        "ColorJitter", "RandomGrayscale", "GaussianBlur", "ImgReplicatePil", "ImgPilColorDistortion",
+        "ImgPilGaussianBlur", "ImgPilToMultiCrop",
+    ):
+        assert name in TRANSFORMS
+    assert "InterpolationMode" not in TRANSFORMS
+
+
+def test_synthetic_length_labels_and_determinism() -> None:
+    ds = build_dataset(make_cfg(DATA_LIMIT=-1, SYNTHETIC_NUM_CLASSES=5), "TRAIN")
+    assert len(ds) == 1000
+    labels = ds.get_labels()
+    assert labels.shape == (1000,) and set(labels.tolist()) == set(range(5))
+    small = build_dataset(make_cfg(DATA_LIMIT=30), "TRAIN")
+    assert len(small) == 30
+    img = small.sources[0].get(3)
+    assert img.mode == "RGB" and img.size == (16, 16)
+    # a pure function of (SEED_VALUE, split, i)
+    again = build_dataset(make_cfg(DATA_LIMIT=30), "TRAIN").sources[0].get(3)
+    assert np.array_equal(np.asarray(img), np.asarray(again))
+    other_seed = build_dataset(make_cfg(seed=1, DATA_LIMIT=30), "TRAIN").sources[0].get(3)
+    assert not np.array_equal(np.asarray(img), np.asarray(other_seed))
+    test_img = build_dataset(make_cfg("TEST", DATA_LIMIT=30), "TEST").sources[0].get(3)
+    assert not np.array_equal(np.asarray(img), np.asarray(test_img))
+    # the first 30 labels do not depend on the length
+    assert np.array_equal(small.get_labels(), build_dataset(make_cfg(DATA_LIMIT=-1), "TRAIN").get_labels()[:30])
+
+
+def test_synthetic_classes_are_learnable() -> None:
+    """A nearest-class-mean classifier on raw pixels beats chance by far on TEST."""
+    tr = build_dataset(make_cfg(DATA_LIMIT=300), "TRAIN")
+    te = build_dataset(make_cfg("TEST", DATA_LIMIT=100), "TEST")
+
+    def pixels(ds: SSLDataset) -> np.ndarray:
+        return np.stack([np.asarray(ds.sources[0].get(i), dtype=np.float32).ravel() for i in range(len(ds))])
+
+    x, y, xt, yt = pixels(tr), tr.get_labels(), pixels(te), te.get_labels()
+    means = np.stack([x[y == c].mean(0) for c in range(10)])
+    pred = ((xt[:, None, :] - means[None]) ** 2).sum(-1).argmin(1)
+    assert (pred == yt).mean() > 0.6
+
+
+def test_digits_split_labels_and_images() -> None:
+    tr = build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=-1), "TRAIN")
+    te = build_dataset(make_cfg("TEST", DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=-1), "TEST")
+    assert len(tr) + len(te) == 1797
+    assert len(tr) == round(0.8 * 1797)
+    assert set(tr.sources[0].indices.tolist()).isdisjoint(te.sources[0].indices.tolist())
+    assert set(tr.get_labels().tolist()) == set(range(10))
+    img = tr.sources[0].get(0)
+    assert img.mode == "RGB" and img.size == (32, 32)
+    sample = tr[0]
+    assert sample["label"] == [int(tr.get_labels()[0])]
+    big = build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=[], DATA_LIMIT=-1, DIGITS_IMAGE_SIZE=24), "TRAIN")
+    assert big.sources[0].get(0).size == (24, 24)
+
+
+def test_disk_folder_lengths_labels_and_lazy_open(tmp_path: Any) -> None:
+    root = str(tmp_path / "imgs")
+    write_image_tree(root, {"cat": 3, "ant": 2, "bee": 1})
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[[root]], LABEL_SOURCES=["disk_folder"],
+                   LABEL_PATHS=[root], DATA_LIMIT=-1, TRANSFORMS=[{"name": "ToTensor"}])
+    ds = build_dataset(cfg, "TRAIN")
+    assert len(ds) == 6
+    assert ds.sources[0].classes == ["ant", "bee", "cat"]
+    assert ds.get_labels().tolist() == [0, 0, 1, 2, 2, 2]
+    sample = ds[(0, 5)]
+    assert sample["label"] == [2] and sample["data"][0].shape == (3, 8, 8)
+    assert sample["data_idx"] == [5] and sample["data_valid"] == [1]
+
+
+def test_disk_folder_missing_and_empty_folder_errors(tmp_path: Any) -> None:
+    missing = str(tmp_path / "nope")
+    with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_PATHS.*nope.*does not exist"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[missing], LABEL_SOURCES=[]), "TRAIN")
+    empty = tmp_path / "empty"
+    (empty / "classA").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_PATHS.*empty.*no images"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(empty)], LABEL_SOURCES=[]), "TRAIN")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    Image.new("RGB", (4, 4)).save(flat / "a.png")
+    with pytest.raises(UserError, match="one subfolder per class"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(flat)], LABEL_SOURCES=[]), "TRAIN")
+
+
+def test_disk_filelist_npy_and_txt_with_labels(tmp_path: Any) -> None:
+    root = str(tmp_path / "imgs")
+    write_image_tree(root, {"a": 2, "b": 2})
+    paths = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs)
+    npy = str(tmp_path / "files.npy")
+    np.save(npy, np.array(paths, dtype=str))
+    txt = str(tmp_path / "files.txt")
+    with open(txt, "w") as f:
+        f.write("\n".join(paths) + "\n")
+    lab = str(tmp_path / "labels.npy")
+    np.save(lab, np.array([3, 1, 4, 1]))
+    for lst in (npy, txt):
+        cfg = make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[lst], LABEL_SOURCES=["disk_filelist"],
+                       LABEL_PATHS=[lab], DATA_LIMIT=-1, TRANSFORMS=[{"name": "ToTensor"}])
+        ds = build_dataset(cfg, "TRAIN")
+        assert len(ds) == 4
+        assert [ds[i]["label"][0] for i in range(4)] == [3, 1, 4, 1]
+    bad = str(tmp_path / "short.npy")
+    np.save(bad, np.array([0, 1, 2]))
+    cfg = make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[npy], LABEL_SOURCES=["disk_filelist"],
+                   LABEL_PATHS=[bad], DATA_LIMIT=-1)
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\].*has 3 labels.*has 4 samples"):
+        build_dataset(cfg, "TRAIN")
+
+
+def test_config_errors_for_sources() -> None:
+    with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_SOURCES is empty"):
+        build_dataset(make_cfg(DATA_SOURCES=[]), "TRAIN")
+    with pytest.raises(UserError, match=r"unknown data source 'synthetik'.*synthetic"):
+        build_dataset(make_cfg(DATA_SOURCES=["synthetik"]), "TRAIN")
+    with pytest.raises(UserError, match="LABEL_TYPE"):
+        build_dataset(make_cfg(LABEL_TYPE="nope"), "TRAIN")
+    with pytest.raises(UserError, match="ON_CORRUPT_IMAGE"):
+        build_dataset(make_cfg(ON_CORRUPT_IMAGE="ignore"), "TRAIN")
+    with pytest.raises(UserError, match=r"config\.DATA\.TEST is missing"):
+        build_dataset(make_cfg("TRAIN"), "TEST")
+
+
+def test_two_data_sources_and_label_source_errors() -> None:
+    cfg = make_cfg(DATA_SOURCES=["synthetic", "synthetic"], LABEL_SOURCES=["synthetic"],
+                   TRANSFORMS=[{"name": "ToTensor"}])
+    ds = build_dataset(cfg, "TRAIN")
+    s = ds[(0, 4)]
+    assert len(s["data"]) == 2 and len(s["label"]) == 1 and s["data_idx"] == [4, 4]
+    batch = default_collate([ds[(0, i)] for i in range(3)])
+    assert len(batch["data"]) == 2 and batch["data"][1].shape == (3, 3, 16, 16)
+    with pytest.raises(UserError, match=r"same length.*synthetic=1000.*digits=1438"):
+        build_dataset(make_cfg(DATA_SOURCES=["synthetic", "digits"], LABEL_SOURCES=[], DATA_LIMIT=-1), "TRAIN")
+    with pytest.raises(UserError, match=r"LABEL_SOURCES\[0\].*unknown label source 'digit'.*digits"):
+        build_dataset(make_cfg(LABEL_SOURCES=["digit"]), "TRAIN")
+    with pytest.raises(UserError, match=r"LABEL_SOURCES\[0\].*has 1438 labels.*40 samples"):
+        build_dataset(make_cfg(LABEL_SOURCES=["digits"]), "TRAIN")
+
+
+def test_label_types_and_data_limit_subset() -> None:
+    cfg = make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=[], LABEL_TYPE="sample_index", DATA_LIMIT=50)
+    ds = build_dataset(cfg, "TRAIN")
+    assert len(ds) == 50
+    assert ds[7]["label"] == [7] and ds[7]["data_idx"] == [7]
+    again = build_dataset(cfg, "TRAIN")
+    assert np.array_equal(ds.subset, again.subset) and np.all(np.diff(ds.subset) > 0)
+    cfg.DATA.TRAIN.DATA_LIMIT_SAMPLING = {"SEED": 5}
+    assert not np.array_equal(build_dataset(cfg, "TRAIN").subset, ds.subset)
+    zero = build_dataset(make_cfg(LABEL_TYPE="zero", LABEL_SOURCES=[]), "TRAIN")
+    assert zero[3]["label"] == [0]
+    bal = build_dataset(
+        make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=30,
+                 DATA_LIMIT_SAMPLING={"SEED": 0, "IS_BALANCED": True}), "TRAIN")
+    assert np.bincount(bal.get_labels()).tolist() == [3] * 10
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def test_transforms_by_name_and_vissl_transforms() -> None:
+    img = Image.new("RGB", (20, 20), (200, 30, 30))
+    for spec, check in [
+        ({"name": "Resize", "size": 10, "interpolation": "bicubic"}, lambda o: o.size == (10, 10)),
+        ({"name": "CenterCrop", "size": 8}, lambda o: o.size == (8, 8)),
+        ({"name": "ToTensor"}, lambda o: o.shape == (3, 20, 20)),
+        ({"name": "ImgReplicatePil", "num_times": 3}, lambda o: isinstance(o, list) and len(o) == 3),
+        ({"name": "ImgPilColorDistortion", "strength": 0.5}, lambda o: o.size == (20, 20)),
+        ({"name": "RandomApply", "transforms": [{"name": "Grayscale", "num_output_channels": 3}], "p": 1.0},
+         lambda o: np.asarray(o)[..., 0].tolist() == np.asarray(o)[..., 1].tolist()),
+    ]:
+        name, t, _ = build_transform(spec)
+        assert name == spec["name"] and check(t(img)), spec
+    noisy = Image.fromarray(np.random.RandomState(0).randint(0, 255, (20, 20, 3)).astype(np.uint8))
+    _, blur, _ = build_transform({"name": "ImgPilGaussianBlur", "p": 1.0, "radius_min": 1.0, "radius_max": 2.0})
+    assert np.asarray(blur(noisy)).std() < np.asarray(noisy).std()
+    _, noblur, _ = build_transform({"name": "ImgPilGaussianBlur", "p": 0.0, "radius_min": 1.0, "radius_max": 2.0})
+    assert noblur(noisy) is noisy
+    _, mc, _ = build_transform({"name": "ImgPilToMultiCrop", "total_num_crops": 5, "num_crops": [2, 3],
+                                "size_crops": [16, 8], "crop_scales": [[0.5, 1.0], [0.1, 0.5]]})
+    assert [v.size for v in mc(img)] == [(16, 16)] * 2 + [(8, 8)] * 3
+
+
+def test_transform_errors_are_user_errors() -> None:
+    with pytest.raises(UserError, match=r"TRANSFORMS\[0\].*unknown transform 'RandomResizeCrop'.*RandomResizedCrop"):
+        SSLTransformsWrapper([{"name": "RandomResizeCrop", "size": 4}], "config.DATA.TRAIN.TRANSFORMS")
+    with pytest.raises(UserError, match=r"TRANSFORMS\[1\].*'Resize'.*unexpected keyword argument 'sise'"):
+        SSLTransformsWrapper([{"name": "ToTensor"}, {"name": "Resize", "sise": 4}], "config.DATA.TRAIN.TRANSFORMS")
+    with pytest.raises(UserError, match="ImgPilToMultiCrop.*total_num_crops"):
+        build_transform({"name": "ImgPilToMultiCrop", "total_num_crops": 4, "num_crops": [2, 3],
+                         "size_crops": [16, 8], "crop_scales": [[0.5, 1.0], [0.1, 0.5]]})
+    with pytest.raises(UserError, match="'name'"):
+        build_transform({"size": 3})
+    ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "Normalize", "mean": [0.5] * 3, "std": [0.5] * 3}]), "TRAIN")
+    with pytest.raises(UserError, match=r"TRANSFORMS\[0\] \(Normalize\) failed"):
+        ds[0]
+    ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor"}, {"name": "ImgPilGaussianBlur"}]), "TRAIN")
+    with pytest.raises(UserError, match=r"TRANSFORMS\[1\] \(ImgPilGaussianBlur\).*before ToTensor"):
+        ds[0]
+
+
+def test_replicate_then_indices_and_label_replication() -> None:
+    specs = [
+        {"name": "ImgReplicatePil", "num_times": 2},
+        {"name": "ImgPilGaussianBlur", "indices": [0], "p": 1.0, "radius_min": 3.0, "radius_max": 3.0},
+        {"name": "ToTensor"},
+    ]
+    ds = build_dataset(make_cfg(TRANSFORMS=specs, SYNTHETIC_IMAGE_SIZE=16), "TRAIN")
+    s = ds[(0, 2)]
+    assert len(s["data"]) == 2
+    assert s["label"] == [s["label"][0]] * 2 and s["data_idx"] == [2, 2] and s["data_valid"] == [1, 1]
+    assert s["data"][0].std() < s["data"][1].std()  # only view 0 blurred
+    with pytest.raises(UserError, match="index 5 in 'indices' is out of range"):
+        build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor", "indices": [5]}]), "TRAIN")[0]
+
+
+# ----------------------------------------------------------------------------- seeded augmentation
+
+
+def test_same_seed_epoch_idx_gives_identical_tensors_and_epochs_differ() -> None:
+    a = build_dataset(make_cfg(TRANSFORMS=SIMCLR_AUG), "TRAIN")
+    b = build_dataset(make_cfg(TRANSFORMS=SIMCLR_AUG), "TRAIN")
+    for key in [(0, 3), (4, 3), (1, 17)]:
+        assert tensors_equal(a[key]["data"], b[key]["data"])
+    assert tensors_equal(a[(2, 5)]["data"], a[(2, 5)]["data"])  # order of calls does not matter
+    assert not tensors_equal(a[(0, 3)]["data"], a[(1, 3)]["data"])
+    v0, v1 = a[(0, 3)]["data"]
+    assert not torch.equal(v0, v1)  # the two views are different augmentations
+    a.set_epoch(4)
+    assert tensors_equal(a[3]["data"], b[(4, 3)]["data"])
+    c = build_dataset(make_cfg(seed=1, TRANSFORMS=SIMCLR_AUG), "TRAIN")
+    assert not tensors_equal(c[(0, 3)]["data"], a[(0, 3)]["data"])
+
+
+def test_getitem_leaves_global_rngs_untouched() -> None:
+    specs = SIMCLR_AUG[:-1] + [{"name": "ImgPilGaussianBlur", "p": 0.5}, {"name": "ToTensor"}]
+    ds = build_dataset(make_cfg(TRANSFORMS=specs), "TRAIN")
+    torch.manual_seed(123)
+    random.seed(7)
+    np.random.seed(9)
+    t_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    for i in range(5):
+        ds[(1, i)]
+    assert torch.equal(torch.get_rng_state(), t_state)
+    assert random.getstate() == py_state
+    after = np.random.get_state()
+    assert np.array_equal(after[1], np_state[1]) and after[2:] == np_state[2:]
+
+
+def _epoch_batches(workers: int, epochs: List[int]) -> Dict[int, List[Dict[str, Any]]]:
+    cfg = make_cfg(workers=workers, DATA_LIMIT=24, BATCHSIZE_PER_REPLICA=4, TRANSFORMS=SIMCLR_AUG,
+                   COLLATE_FUNCTION="simclr_collator")
+    loader = build_dataloader(build_dataset(cfg, "TRAIN"), cfg, "TRAIN", rank=0, world_size=1, device="cpu")
+    out = {}
+    for e in epochs:
+        set_loader_position(loader, e, 0)
+        out[e] = list(iter(loader))
+    return out
+
+
+def test_zero_and_two_workers_give_identical_batches() -> None:
+    zero = _epoch_batches(0, [0, 1])
+    two = _epoch_batches(2, [0, 1])  # persistent workers across the two epochs
+    for e in (0, 1):
+        assert len(zero[e]) == len(two[e]) == 6
+        for bz, bt in zip(zero[e], two[e]):
+            assert torch.equal(bz["data_idx"][0], bt["data_idx"][0])
+            assert torch.equal(bz["data"][0], bt["data"][0])
+    assert not torch.equal(zero[0][0]["data_idx"][0], zero[1][0]["data_idx"][0])
+
+
+# ----------------------------------------------------------------------------- collators
+
+
+def _fake_sample(idx: int, views: int, label: Optional[int] = None) -> Dict[str, Any]:
+    return {
+        "data": [torch.full((3, 4, 4), float(10 * idx + v)) for v in range(views)],
+        "label": [idx if label is None else label] * views,
+        "data_valid": [1] * views,
+        "data_idx": [idx] * views,
+    }
+
+
+def test_default_collate_shapes() -> None:
+    batch = default_collate([_fake_sample(i, 1) for i in range(5)])
+    assert len(batch["data"]) == 1 and batch["data"][0].shape == (5, 3, 4, 4)
+    assert batch["label"][0].dtype == torch.int64 and batch["label"][0].tolist() == [0, 1, 2, 3, 4]
+    assert batch["data_idx"][0].tolist() == [0, 1, 2, 3, 4] and batch["data_valid"][0].tolist() == [1] * 5
+    two = COLLATORS.get("default")([_fake_sample(i, 2) for i in range(3)])
+    assert len(two["data"]) == 2 and two["data"][1][2, 0, 0, 0].item() == 21.0
+    with pytest.raises(UserError, match="ToTensor"):
+        default_collate([{"data": [Image.new("RGB", (2, 2))], "label": [0], "data_valid": [1], "data_idx": [0]}])
+
+
+def test_simclr_collator_order() -> None:
+    n = 3
+    batch = simclr_collator([_fake_sample(i, 2) for i in range(n)])
+    assert len(batch["data"]) == 1 and batch["data"][0].shape == (2 * n, 3, 4, 4)
+    firsts = batch["data"][0][:, 0, 0, 0].tolist()
+    assert firsts == [0.0, 10.0, 20.0, 1.0, 11.0, 21.0]  # all view 0, then all view 1
+    assert batch["label"][0].tolist() == [0, 1, 2, 0, 1, 2]
+    assert batch["data_idx"][0].tolist() == [0, 1, 2, 0, 1, 2]
+    with pytest.raises(UserError, match="at least 2 views"):
+        simclr_collator([_fake_sample(0, 1)])
+    with pytest.raises(UserError, match="COLLATE_FUNCTION_PARAMS"):
+        build_collator("simclr_collator", {"bogus": 1}, "TRAIN")
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+def test_sampler_order_is_function_of_seed_and_epoch() -> None:
+    def order(seed: int, epoch: int) -> List[int]:
+        s = StatefulDistributedSampler(50, seed=seed)
+        s.set_epoch(epoch)
+        items = list(s)
+        assert all(e == epoch for e, _ in items)
+        return [i for _, i in items]
+
+    assert order(0, 0) == order(0, 0)
+    assert sorted(order(0, 0)) == list(range(50))
+    assert order(0, 0) != order(0, 1) and order(0, 0) != order(1, 0)
+    ref = torch.utils.data.DistributedSampler(range(50), num_replicas=1, rank=0, shuffle=True, seed=3)
+    ref.set_epoch(2)
+    assert order(3, 2) == list(ref)
+    s = StatefulDistributedSampler(10, shuffle=False)
+    assert [i for _, i in s] == list(range(10))
+
+
+@pytest.mark.parametrize("n,drop_last", [(20, False), (21, False), (21, True)])
+def test_sampler_shares_disjoint_and_covering(n: int, drop_last: bool) -> None:
+    shares = []
+    for rank in range(2):
+        s = StatefulDistributedSampler(n, num_replicas=2, rank=rank, seed=1, drop_last=drop_last)
+        s.set_epoch(3)
+        shares.append([i for _, i in s])
+        assert len(s) == len(shares[-1])
+    assert len(shares[0]) == len(shares[1])
+    union = set(shares[0]) | set(shares[1])
+    if n % 2 == 0:
+        assert set(shares[0]).isdisjoint(shares[1]) and union == set(range(n))
+    elif drop_last:
+        assert set(shares[0]).isdisjoint(shares[1]) and len(union) == n - 1
+    else:  # padded by repeating one index
+        assert union == set(range(n)) and len(shares[0]) + len(shares[1]) == n + 1
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """Records which (epoch, idx) keys were loaded."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls: List[Any] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key: Any) -> Dict[str, Any]:
+        self.calls.append(key)
+        _, idx = key
+        return {"data": [torch.tensor([float(idx)])], "label": [idx], "data_valid": [1], "data_idx": [idx]}
+
+
+def test_set_start_iter_skips_batches_without_loading_them() -> None:
+    ds = CountingDataset(30)
+    cfg = make_cfg(BATCHSIZE_PER_REPLICA=4)
+    loader = build_dataloader(ds, cfg, "TRAIN", rank=0, world_size=1, device="cpu")
+    set_loader_position(loader, 2, 0)
+    full = [b["data_idx"][0].tolist() for b in loader]
+    ds.calls.clear()
+    set_loader_position(loader, 2, 3)
+    assert len(loader.sampler) == 30 - 12 and len(loader) == len(full) - 3
+    rest = [b["data_idx"][0].tolist() for b in loader]
+    assert rest == full[3:]
+    assert len(ds.calls) == 30 - 12 and all(e == 2 for e, _ in ds.calls)
+    assert get_loader_state(loader) == {"epoch": 2, "start_iter": 3, "seed": 0}
+    other = StatefulDistributedSampler(30, batch_size=4)
+    other.load_state_dict(loader.sampler.state_dict())
+    assert list(other) == list(loader.sampler)
+    loader.sampler.set_epoch(3)
+    assert loader.sampler.start_iter == 0
+
+
+# ----------------------------------------------------------------------------- loader
+
+
+def test_dataloader_shapes_and_test_split_unshuffled() -> None:
+    cfg = make_cfg("TEST", DATA_LIMIT=10, BATCHSIZE_PER_REPLICA=4, TRANSFORMS=[{"name": "ToTensor"}])
+    loader = build_dataloader(build_dataset(cfg, "TEST"), cfg, "TEST", rank=0, world_size=1, device="cpu")
+    batches = list(loader)
+    assert [b["data"][0].shape[0] for b in batches] == [4, 4, 2]
+    assert torch.cat([b["data_idx"][0] for b in batches]).tolist() == list(range(10))
+    assert loader.pin_memory is False
+
+
+def test_drop_last_with_too_small_dataset_is_a_user_error() -> None:
+    cfg = make_cfg(DATA_LIMIT=10, BATCHSIZE_PER_REPLICA=4, DROP_LAST=True)
+    ds = build_dataset(cfg, "TRAIN")
+    with pytest.raises(UserError, match=r"BATCHSIZE_PER_REPLICA=4.*10 samples|10 samples.*BATCHSIZE_PER_REPLICA=4"):
+        build_dataloader(ds, cfg, "TRAIN", rank=0, world_size=3, device="cpu")
+    loader = build_dataloader(ds, cfg, "TRAIN", rank=0, world_size=2, device="cpu")
+    assert len(loader) == 1
+
+
+# ----------------------------------------------------------------------------- corrupt images
+
+
+def _corrupt_tree(tmp_path: Any) -> str:
+    root = str(tmp_path / "imgs")
+    write_image_tree(root, {"a": 3, "b": 2})
+    with open(os.path.join(root, "a", "img1.png"), "wb") as f:
+        f.write(b"this is not a png")
+    return root
+
+
+def test_corrupt_image_skip_replaces_and_counts(tmp_path: Any, caplog: Any) -> None:
+    root = _corrupt_tree(tmp_path)
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[root], LABEL_SOURCES=["disk_folder"],
+                   DATA_LIMIT=-1, TRANSFORMS=[{"name": "ToTensor"}])
+    ds = build_dataset(cfg, "TRAIN")
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.dataset"):
+        s = ds[1]
+    assert ds.num_skipped == 1
+    assert "img1.png" in caplog.text
+    nxt = ds[2]
+    assert torch.equal(s["data"][0], nxt["data"][0])  # replaced by the next valid index
+    assert s["data_idx"] == [1] and s["data_valid"] == [-1] and nxt["data_valid"] == [1]
+    ds[1]
+    assert ds.num_skipped == 2
+
+
+def test_corrupt_image_error_mode_names_the_file(tmp_path: Any) -> None:
+    root = _corrupt_tree(tmp_path)
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[root], LABEL_SOURCES=[],
+                   DATA_LIMIT=-1, ON_CORRUPT_IMAGE="error", TRANSFORMS=[{"name": "ToTensor"}])
+    ds = build_dataset(cfg, "TRAIN")
+    ds[0]
+    with pytest.raises(UserError, match=r"img1\.png.*ON_CORRUPT_IMAGE"):
+        ds[1]

@@ -1,0 +1,315 @@
+"""Unit tests for ssl_engine.models: trunks, heads, SSLModel modes and the build-time checks."""
+
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.errors import UserError
+from ssl_engine.models import SSLModel, build_model, convert_sync_batchnorm
+from ssl_engine.models.heads import head_bn_kwargs
+from ssl_engine.registry import HEADS, TRUNKS
+
+
+def model_config(
+    depth: int = 18,
+    heads: Optional[List[Any]] = None,
+    width: int = 1,
+    trunk: str = "resnet",
+    zero_init: bool = False,
+    eval_settings: Optional[Dict[str, Any]] = None,
+    **extra: Any,
+) -> AttrDict:
+    cfg: Dict[str, Any] = {
+        "INPUT_TYPE": "rgb",
+        "TRUNK": {
+            "NAME": trunk,
+            "RESNETS": {"DEPTH": depth, "WIDTH_MULTIPLIER": width, "ZERO_INIT_RESIDUAL": zero_init},
+            "MLP": {"DIMS": [3 * 8 * 8, 32, 16], "USE_BN": True, "USE_RELU": True},
+        },
+        "HEAD": {"PARAMS": heads or [], "BATCHNORM_EPS": 1e-5, "BATCHNORM_MOMENTUM": 0.1},
+        "FEATURE_EVAL_SETTINGS": dict(eval_settings or {}),
+    }
+    cfg.update(extra)
+    return AttrDict(cfg)
+
+
+def build(cfg: AttrDict) -> SSLModel:
+    torch.manual_seed(0)
+    return build_model(cfg, AttrDict({}))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny CPU models run faster on one thread than on oversubscribed ones; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+RESNET_LAYERS = ["conv1", "res1", "res2", "res3", "res4", "res5", "res5avg", "flatten"]
+
+
+@pytest.fixture(scope="module")
+def resnet18() -> SSLModel:
+    return build(model_config(18))
+
+
+# ------------------------------------------------------------------ trunks
+@pytest.mark.parametrize(
+    "depth,channels", [(18, [64, 64, 64, 128, 256, 512]), (50, [64, 64, 256, 512, 1024, 2048])]
+)
+def test_resnet_feature_shapes_at_32(depth: int, channels: List[int]) -> None:
+    trunk = build(model_config(depth)).trunk.eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        feats = trunk(x, RESNET_LAYERS)
+    spatial = [16, 8, 8, 4, 2, 1]
+    for name, feat, c, s in zip(RESNET_LAYERS, feats, channels, spatial):
+        assert tuple(feat.shape) == (2, c, s, s), name
+    assert tuple(feats[6].shape) == (2, channels[-1], 1, 1)
+    assert tuple(feats[7].shape) == (2, channels[-1])
+    dims = trunk.feature_dims()
+    assert list(dims) == RESNET_LAYERS
+    for name, feat in zip(RESNET_LAYERS, feats):
+        assert dims[name] == feat.shape[1], name
+
+
+def test_resnet_default_output_order_and_8x8(resnet18: SSLModel) -> None:
+    trunk = resnet18.trunk.eval()
+    with torch.no_grad():
+        (default,) = trunk(torch.randn(2, 3, 8, 8))
+        res5, res3 = trunk(torch.randn(2, 3, 8, 8), ["res5", "res3"])
+    assert tuple(default.shape) == (2, 512)
+    assert res5.shape[1] == 512 and res3.shape[1] == 128
+
+
+def test_unknown_layer_lists_valid_names(resnet18: SSLModel) -> None:
+    with pytest.raises(UserError, match="res5avg"):
+        resnet18.trunk(torch.randn(2, 3, 8, 8), ["res6"])
+
+
+def test_width_multiplier_scales_channels() -> None:
+    trunk = build(model_config(18, width=2)).trunk
+    dims = trunk.feature_dims()
+    assert dims["conv1"] == 128 and dims["res5"] == 1024 and dims["flatten"] == 1024
+    with torch.no_grad():
+        (out,) = trunk.eval()(torch.randn(2, 3, 8, 8))
+    assert tuple(out.shape) == (2, 1024)
+
+
+def test_zero_init_residual() -> None:
+    trunk = build(model_config(18, zero_init=True)).trunk
+    last_bns = [b.bn2.weight for stage in ("layer1", "layer4") for b in trunk._feature_blocks[stage]]
+    assert all(torch.all(w == 0) for w in last_bns)
+    assert torch.all(trunk._feature_blocks["bn1"].weight == 1)
+    plain = build(model_config(18)).trunk
+    assert torch.all(plain._feature_blocks["layer1"][0].bn2.weight == 1)
+
+
+def test_gray_input_and_bad_norm() -> None:
+    trunk = build(model_config(18, INPUT_TYPE="gray")).trunk.eval()
+    with torch.no_grad():
+        (out,) = trunk(torch.randn(2, 1, 16, 16))
+    assert out.shape == (2, 512)
+    cfg = model_config(18)
+    cfg.TRUNK.RESNETS.NORM = "GroupNorm"
+    with pytest.raises(UserError, match="NORM"):
+        build(cfg)
+    with pytest.raises(UserError, match="INPUT_TYPE"):
+        build(model_config(18, INPUT_TYPE="cmyk"))
+
+
+def test_mlp_trunk() -> None:
+    model = build(model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 4]}]]))
+    assert model.trunk.feature_dims() == {"fc1": 32, "fc2": 16}
+    (out,) = model(torch.randn(3, 3, 8, 8))
+    assert out.shape == (3, 4)
+    with pytest.raises(UserError, match="DIMS"):
+        model(torch.randn(3, 3, 4, 4))
+
+
+def test_unknown_trunk_lists_known_names() -> None:
+    with pytest.raises(UserError) as info:
+        build(model_config(trunk="resnett"))
+    msg = str(info.value)
+    assert "resnet" in msg and "mlp" in msg and "MODEL.TRUNK.NAME" in msg
+
+
+# ------------------------------------------------------------------ heads
+def test_mlp_head_chaining_and_shapes() -> None:
+    heads = [
+        ["mlp", {"dims": [16, 64, 32], "use_bn": True, "use_relu": True}],
+        ["mlp", {"dims": [32, 8]}],
+    ]
+    model = build(model_config(trunk="mlp", heads=heads)).train()
+    first = model.heads[0].clf
+    assert [type(m) for m in first] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Linear]
+    outputs = model(torch.randn(4, 3, 8, 8))
+    assert len(outputs) == 1 and outputs[0].shape == (4, 8)
+    outputs = model([torch.randn(4, 3, 8, 8)])
+    assert outputs[0].shape == (4, 8)
+    no_skip = HEADS.get("mlp")(model_config(), dims=[8, 4], use_relu=True, skip_last_layer_relu_bn=False)
+    assert isinstance(no_skip.clf[-1], nn.ReLU)
+    assert no_skip(torch.randn(2, 8, 1, 1)).shape == (2, 4)
+    nested = build(model_config(trunk="mlp", heads=[[["mlp", {"dims": [16, 32]}], ["mlp", {"dims": [32, 4]}]]]))
+    assert nested.head_names == ["mlp->mlp"] and nested(torch.randn(2, 3, 8, 8))[0].shape == (2, 4)
+    with pytest.raises(UserError, match="PARAMS\\[1\\].*input dim 30.*32"):
+        build(model_config(trunk="mlp", heads=[heads[0], ["mlp", {"dims": [30, 8]}]]))
+
+
+def test_multi_crop_list_input() -> None:
+    model = build(model_config(18, heads=[["mlp", {"dims": [512, 16]}]])).eval()
+    crops = [torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32), torch.randn(2, 3, 16, 16)]
+    with torch.no_grad():
+        (out,) = model(crops)
+    assert out.shape == (6, 16)
+
+
+def test_head_dim_mismatch_names_both_numbers() -> None:
+    with pytest.raises(UserError) as info:
+        build(model_config(18, heads=[["mlp", {"dims": [2048, 128]}]]))
+    msg = str(info.value)
+    assert "MODEL.HEAD.PARAMS" in msg and "2048" in msg and "512" in msg and "flatten" in msg
+
+
+def test_bad_head_params() -> None:
+    with pytest.raises(UserError, match="dimz"):
+        build(model_config(trunk="mlp", heads=[["mlp", {"dimz": [16, 10]}]]))
+    with pytest.raises(UserError, match="known"):
+        build(model_config(trunk="mlp", heads=[["nope", {}]]))
+
+
+def test_batchnorm_eps_string_parsed() -> None:
+    cfg = model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 64, 8], "use_bn": True}]])
+    cfg.HEAD.BATCHNORM_EPS = "1e-5"
+    cfg.HEAD.BATCHNORM_MOMENTUM = "0.2"
+    assert head_bn_kwargs(cfg) == {"eps": 1e-5, "momentum": 0.2}
+    bn = build(cfg).heads[0].clf[1]
+    assert isinstance(bn, nn.BatchNorm1d) and bn.eps == 1e-5 and bn.momentum == 0.2
+    cfg.HEAD.BATCHNORM_EPS = "tiny"
+    with pytest.raises(UserError, match="BATCHNORM_EPS"):
+        build(cfg)
+
+
+# ------------------------------------------------------------------ linear eval / freezing
+POOL_MAP = [["res5avg", ["Identity", []]], ["res4", ["AdaptiveAvgPool2d", [[2, 2]]]]]
+EVAL_HEADS = [
+    ["eval_mlp", {"in_channels": 512, "dims": [512, 10]}],
+    ["eval_mlp", {"in_channels": 256, "dims": [1024, 10]}],
+]
+
+
+def linear_eval_model(**settings: Any) -> SSLModel:
+    fe = {"EVAL_MODE_ON": True, "FREEZE_TRUNK_ONLY": True, "LINEAR_EVAL_FEAT_POOL_OPS_MAP": POOL_MAP}
+    fe.update(settings)
+    return build(model_config(18, heads=EVAL_HEADS, eval_settings=fe))
+
+
+def test_linear_eval_one_output_per_layer() -> None:
+    model = linear_eval_model().train()
+    x = torch.randn(4, 3, 32, 32)
+    outputs = model(x)
+    assert [tuple(o.shape) for o in outputs] == [(4, 10), (4, 10)]
+    feats = model.extract_features(x)
+    assert list(feats) == ["res5avg", "res4"]
+    assert feats["res5avg"].shape == (4, 512) and feats["res4"].shape == (4, 1024)
+    unflat = linear_eval_model(SHOULD_FLATTEN_FEATS=False).extract_features(x)
+    assert unflat["res4"].shape == (4, 256, 2, 2) and unflat["res5avg"].shape == (4, 512, 1, 1)
+
+
+def test_linear_eval_checks() -> None:
+    bad = [EVAL_HEADS[0], ["eval_mlp", {"in_channels": 256, "dims": [256, 10]}]]
+    fe = {"EVAL_MODE_ON": True, "LINEAR_EVAL_FEAT_POOL_OPS_MAP": POOL_MAP}
+    with pytest.raises(UserError, match="1024"):
+        build(model_config(18, heads=bad, eval_settings=fe))
+    # the remaining checks do not depend on the trunk: use the cheap mlp trunk
+    fe_mlp = dict(fe, LINEAR_EVAL_FEAT_POOL_OPS_MAP=[["fc1", ["Identity", []]], ["fc2", ["Identity", []]]])
+    heads_mlp = [["eval_mlp", {"in_channels": 32, "dims": [32, 10]}]]
+    with pytest.raises(UserError, match="one head per mapped layer"):
+        build(model_config(trunk="mlp", heads=heads_mlp, eval_settings=fe_mlp))
+    with pytest.raises(UserError, match="in_channels=8.*16"):
+        build(model_config(trunk="mlp", heads=[heads_mlp[0], ["eval_mlp", {"in_channels": 8, "dims": [8, 10]}]],
+                           eval_settings=fe_mlp))
+    fe_bad_op = dict(fe, LINEAR_EVAL_FEAT_POOL_OPS_MAP=[["fc1", ["AdaptiveAvgPool", [1]]]])
+    with pytest.raises(UserError, match="AdaptiveAvgPool"):
+        build(model_config(trunk="mlp", heads=heads_mlp, eval_settings=fe_bad_op))
+    fe_bad_layer = dict(fe, LINEAR_EVAL_FEAT_POOL_OPS_MAP=[["fc9", ["Identity", []]]])
+    with pytest.raises(UserError, match="fc9"):
+        build(model_config(trunk="mlp", heads=heads_mlp, eval_settings=fe_bad_layer))
+
+
+def test_frozen_trunk_no_grad_and_bn_stats_fixed() -> None:
+    model = linear_eval_model()
+    assert model.trunk_frozen and not model.heads_frozen
+    model.train()
+    assert not model.trunk.training and model.heads.training
+    bn = model.trunk._feature_blocks["bn1"]
+    before = bn.running_mean.clone()
+    loss = sum(o.sum() for o in model(torch.randn(4, 3, 32, 32)))
+    loss.backward()
+    assert torch.equal(bn.running_mean, before)
+    assert all(not p.requires_grad and p.grad is None for p in model.trunk.parameters())
+    assert all(p.grad is not None for p in model.heads.parameters())
+    assert model.heads[0].channel_bn.num_batches_tracked.item() == 1
+
+
+def test_freeze_trunk_and_head() -> None:
+    model = build(
+        model_config(18, heads=[["mlp", {"dims": [512, 16]}]], eval_settings={"FREEZE_TRUNK_AND_HEAD": True})
+    )
+    model.train()
+    assert model.trunk_frozen and model.heads_frozen
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not model.trunk.training and not model.heads.training
+
+
+def test_extract_features_modes(resnet18: SSLModel) -> None:
+    x = torch.randn(2, 3, 32, 32)
+    small = torch.randn(2, 3, 8, 8)
+    with_head = build(model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 4]}]])).eval()
+    assert {k: tuple(v.shape) for k, v in with_head.extract_features(small).items()} == {"heads": (2, 4)}
+    trunk_only = build(
+        model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 4]}]], eval_settings={"EXTRACT_TRUNK_FEATURES_ONLY": True})
+    ).eval()
+    assert {k: tuple(v.shape) for k, v in trunk_only.extract_features(small).items()} == {"fc2": (2, 16)}
+    assert {k: tuple(v.shape) for k, v in resnet18.eval().extract_features(x).items()} == {"flatten": (2, 512)}
+
+
+def test_state_roundtrip_and_sync_bn_noop(resnet18: SSLModel) -> None:
+    state = resnet18.get_classy_state()
+    assert "_feature_blocks.conv1.weight" in state["model"]["trunk"]
+    resnet18.set_classy_state(state)
+    assert convert_sync_batchnorm(resnet18, AttrDict({"CONVERT_BN_TO_SYNC_BN": False})) is resnet18
+    model = build(model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 4], "use_bn": True}]]))
+    converted = convert_sync_batchnorm(model, AttrDict({"CONVERT_BN_TO_SYNC_BN": True, "GROUP_SIZE": -1}))
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
+    with pytest.raises(UserError, match="SYNC_BN_TYPE"):
+        convert_sync_batchnorm(model, AttrDict({"CONVERT_BN_TO_SYNC_BN": True, "SYNC_BN_TYPE": "apex"}))
+
+
+def test_registries_hold_builtins() -> None:
+    assert {"resnet", "mlp"} <= set(TRUNKS.names())
+    assert {"mlp", "eval_mlp"} <= set(HEADS.names())
+
+
+class _PlainTrunk(nn.Module):
+    """A user trunk with only the required interface (no feature_dims): checks are skipped."""
+
+    def __init__(self, model_config: AttrDict, model_name: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3 * 4 * 4, 6)
+
+    def forward(self, x: torch.Tensor, out_feat_keys: Optional[List[str]] = None) -> List[torch.Tensor]:
+        return [self.fc(x.flatten(1))]
+
+
+def test_user_trunk_without_feature_dims() -> None:
+    if "test_plain_trunk" not in TRUNKS:
+        TRUNKS.register("test_plain_trunk")(_PlainTrunk)
+    model = build(model_config(trunk="test_plain_trunk", heads=[["mlp", {"dims": [6, 2]}]]))
+    assert model(torch.randn(2, 3, 4, 4))[0].shape == (2, 2)
+    assert model.extract_features(torch.randn(2, 3, 4, 4))["heads"].shape == (2, 2)

@@ -80,6 +80,35 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> 
         raise
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_files(folder: Path) -> List[str]:
+    """Delete temporary files that a killed writer left in ``folder`` (their pid is gone)."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for p in folder.iterdir():
+        m = re.match(r"^\..+\.tmp\.(\d+)$", p.name)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                p.unlink()
+                removed.append(p.name)
+            except OSError:
+                pass
+    if removed:
+        log.info("removed %d unfinished temporary file(s) of a killed run in %s", len(removed), folder)
+    return removed
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text), mode="w")
 

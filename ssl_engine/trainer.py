@@ -32,8 +32,10 @@ class SelfSupervisionTrainer:
 
     def setup(self) -> Any:
         """Build the task's parts, install hooks, then resume or initialise weights."""
-        from ssl_engine.checkpoint import load_checkpoint
+        from ssl_engine.checkpoint import load_checkpoint, remove_stale_temp_files
 
+        if du.is_primary():
+            remove_stale_temp_files(self.checkpoint_folder)
         task = self.task
         task.checkpoint_folder = self.checkpoint_folder
         task.prepare(local_rank=self.local_rank)
@@ -72,8 +74,23 @@ class SelfSupervisionTrainer:
         return task
 
     def extract(self) -> Any:
-        """Write features of the configured layers for each split (see ssl_engine.features)."""
-        from ssl_engine.features import extract_features
+        """Write features of the configured layers for each split (see ssl_engine.features).
 
-        task = self.setup()
-        return extract_features(task)
+        Only the model weights are loaded (self.checkpoint_path, or MODEL.WEIGHTS_INIT), never
+        the training state; the model runs in eval mode without gradients.
+        """
+        import torch
+
+        from ssl_engine.engines.extract_features import extract_split, extraction_splits, load_weights, log_summary, output_dir
+
+        task = self.task
+        task.checkpoint_folder = self.checkpoint_folder
+        with torch.random.fork_rng(devices=[]):  # the same random init on every rank
+            torch.manual_seed(self.cfg.SEED_VALUE)
+            task.prepare(local_rank=self.local_rank)
+        source = load_weights(task, self.checkpoint_path)
+        task.base_model.eval()
+        folder = output_dir(self.cfg)
+        summaries = [extract_split(task, split, folder) for split in extraction_splits(self.cfg)]
+        log_summary(summaries, source)
+        return summaries

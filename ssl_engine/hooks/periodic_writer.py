@@ -31,10 +31,17 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class Writer:
-    """Receives one dict of stats per logged iteration (rank 0 only)."""
+    """Receives one dict of stats per logged iteration, and one record per phase (rank 0 only).
+
+    ``write`` gets the PeriodicWriterHook's stats; ``write_phase`` gets the MetricsHook's
+    per-phase record (the metrics.json line). Override the ones the writer cares about.
+    """
 
     def write(self, stats: Dict[str, Any]) -> None:
-        raise NotImplementedError
+        pass
+
+    def write_phase(self, record: Dict[str, Any]) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -113,19 +120,19 @@ class PeriodicWriterHook(SSLHook):
         data_time, = du.reduce_max_scalars([self._data_time])
         if du.is_primary():
             remaining = max(0, task.max_iteration - task.iteration) if task.train else 0
-            loader = task.dataloaders["TRAIN" if task.train else "TEST"]
             stats = {
                 "phase_type": task.phase_type,
                 "phase_idx": task.phase_idx,
                 "train_phase_idx": task.train_phase_idx,
                 "iteration": task.iteration,
                 "local_iteration": task.local_iteration_num,
-                "phase_iterations": len(loader),
+                "phase_iterations": task.phase_iterations,
                 "lr": task.optimizer.lr if task.optimizer is not None else 0.0,
                 "loss": loss_now,
                 "avg_loss": avg,
                 "data_time": round(data_time, 6),
                 "batch_time": round(batch_time, 6),
+                "samples_per_sec": round(self._global_batch(task) / batch_time, 3) if batch_time > 0 else 0.0,
                 "eta": str(datetime.timedelta(seconds=int(remaining * batch_time))),
                 "peak_mem_mb": round(peak_memory_mb(task.device), 1),
             }
@@ -134,6 +141,15 @@ class PeriodicWriterHook(SSLHook):
         self._loss_sum, self._count, self._data_time = None, 0, 0.0
         self._batch_time_sum, self._timed_steps = 0.0, 0
 
+    @staticmethod
+    def _global_batch(task: Any) -> int:
+        split = "TRAIN" if task.train else "TEST"
+        return int(task.config.DATA[split].BATCHSIZE_PER_REPLICA) * task.world_size
+
     def on_end(self, task: Any) -> None:
         for w in self.writers:
+            w.close()
+
+    def on_exception(self, task: Any) -> None:
+        for w in self.writers:  # flush what was written so far (TensorBoard buffers events)
             w.close()

@@ -8,6 +8,7 @@ counters; hooks read them.
 
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -78,6 +79,7 @@ class SelfSupervisionTask(ClassyTask):
         self.meters: List[Any] = []
         self.optimizer: Any = None
         self.datasets: Dict[str, Any] = {}
+        self.batches_per_phase: Dict[str, int] = {}  # full length of a phase, whatever its start batch
         self.dataloaders: Dict[str, Any] = {}
         self.data_iterator: Any = None
         self.grad_scaler: Optional[torch.amp.GradScaler] = None
@@ -98,7 +100,12 @@ class SelfSupervisionTask(ClassyTask):
     # -- building ---------------------------------------------------------------------------
 
     def set_hooks(self, hooks: List[Any]) -> "SelfSupervisionTask":
-        """Install hooks in priority order; only the events a hook overrides are called."""
+        """Install hooks in priority order; only the events a hook overrides are called.
+
+        A hook with ``wants_hook_timing = True`` (the IterationTimer) makes run_hooks time every
+        hook call into ``hook_seconds`` (class name -> seconds); otherwise nothing is timed.
+        Rank 0 logs the event table.
+        """
         self.hooks = order_hooks(hooks)
         self._hook_calls = {ev: [] for ev in EVENTS}
         for h in self.hooks:
@@ -106,16 +113,33 @@ class SelfSupervisionTask(ClassyTask):
             for ev in used:
                 if hasattr(h, ev):
                     self._hook_calls[ev].append(getattr(h, ev))
+        self._hook_names = {ev: [type(fn.__self__).__name__ for fn in fns] for ev, fns in self._hook_calls.items()}
+        self._time_hooks = any(getattr(h, "wants_hook_timing", False) for h in self.hooks)
+        self.hook_seconds: Dict[str, float] = {type(h).__name__: 0.0 for h in self.hooks}
+        if du.is_primary():
+            log.info("hooks by event, in the order they run:\n%s", self.hook_table())
         return self
 
     def hook_table(self) -> str:
-        """Which hooks run at which event, in order (logged at start)."""
-        rows = [f"{ev:<18} {', '.join(type(fn.__self__).__name__ for fn in fns)}" for ev, fns in self._hook_calls.items() if fns]
-        return "\n".join(rows) or "(no hooks)"
+        """Which hooks run at which event, in order, with their priorities (logged at start)."""
+        rows = [
+            f"  {ev:<18} "
+            + ", ".join(f"{type(fn.__self__).__name__}({int(getattr(fn.__self__, 'priority', 50))})" for fn in fns)
+            for ev, fns in self._hook_calls.items()
+            if fns
+        ]
+        return "\n".join(rows) or "  (no hooks)"
 
     def run_hooks(self, event: str) -> None:  # type: ignore[override]
-        for fn in self._hook_calls[event]:
+        if not getattr(self, "_time_hooks", False):
+            for fn in self._hook_calls[event]:
+                fn(self)
+            return
+        seconds = self.hook_seconds
+        for fn, name in zip(self._hook_calls[event], self._hook_names[event]):
+            t0 = time.perf_counter()
             fn(self)
+            seconds[name] += time.perf_counter() - t0
 
     def needed_splits(self) -> List[str]:
         splits = []
@@ -141,7 +165,8 @@ class SelfSupervisionTask(ClassyTask):
             self.dataloaders[split] = build_dataloader(
                 self.datasets[split], cfg, split, self.rank, self.world_size, cfg.MACHINE.DEVICE
             )
-            log.info("%s data: %d samples, %d batches per rank", split.lower(), len(self.datasets[split]), len(self.dataloaders[split]))
+            self.batches_per_phase[split] = len(self.dataloaders[split])
+            log.info("%s data: %d samples, %d batches per rank", split.lower(), len(self.datasets[split]), self.batches_per_phase[split])
         model = build_model(cfg.MODEL, cfg.OPTIMIZER)
         if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN and self.world_size > 1:
             model = convert_sync_batchnorm(model, cfg.MODEL.SYNC_BN_CONFIG)
@@ -197,7 +222,12 @@ class SelfSupervisionTask(ClassyTask):
 
     @property
     def iters_per_epoch(self) -> int:
-        return len(self.dataloaders["TRAIN"]) if "TRAIN" in self.dataloaders else 0
+        return self.batches_per_phase.get("TRAIN", 0)
+
+    @property
+    def phase_iterations(self) -> int:
+        """Batches in the current phase (all of them, also after a mid-phase resume)."""
+        return self.batches_per_phase.get("TRAIN" if self.train else "TEST", 0)
 
     @property
     def max_iteration(self) -> int:

@@ -1,0 +1,43 @@
+"""Shared test helpers: run the real tool in a subprocess, as a user would."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = str(REPO / "tools" / "run_distributed_engines.py")
+
+
+def tool_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    env.pop("SSL_ENGINE_DEBUG", None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SSL_ENGINE_SPAWNED"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def run_tool(args: List[str], env: Optional[Dict[str, str]] = None, timeout: float = 300,
+             script: str = TOOL) -> subprocess.CompletedProcess:
+    """Run tools/run_distributed_engines.py (or another tool) with ``args``; capture output."""
+    return subprocess.run(
+        [sys.executable, script, *args], cwd=str(REPO), env=tool_env(env), capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tests share 2 cores with each other: keep torch to one thread in-process too."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,0 +1,274 @@
+"""Exact resume: kill a run at any instant, rerun the same command, get the same model bit for bit."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TOOL, run_tool, tool_env
+
+KILLER = '''
+"""Test module: kill or signal this process at a chosen point (env SSL_TEST_KILL=event:number)."""
+import os, signal
+import ssl_engine.checkpoint as ck
+from ssl_engine.hooks.base import SSLHook
+from ssl_engine.registry import HOOKS, DATA_SOURCES
+from ssl_engine.data.sources import SyntheticSource
+
+event, _, num = os.environ.get("SSL_TEST_KILL", "").partition(":")
+num = int(num) if num else -1
+
+
+@HOOKS.register("KillAt")
+class KillAt(SSLHook):
+    priority = 95  # after the checkpoint hook
+
+    def on_step(self, task):
+        if event == "step" and task.iteration == num:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if event == "term" and task.iteration == num:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_phase_end(self, task):
+        if event == "phase_end" and task.phase_idx == num:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if event == "save":  # die in the middle of writing the num-th checkpoint file
+    _orig, _count = ck.atomic_write, [0]
+
+    def atomic_write(path, write, mode="wb"):
+        if str(path).endswith(".torch"):
+            _count[0] += 1
+            if _count[0] == num:
+                def partial(f):
+                    f.write(b"PK\\x03\\x04partial")
+                    f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return _orig(path, partial, mode)
+        return _orig(path, write, mode)
+
+    ck.atomic_write = atomic_write
+
+
+@DATA_SOURCES.register("counted_synthetic")
+class CountedSynthetic(SyntheticSource):
+    """The synthetic source, logging every index it reads to $SSL_TEST_READS."""
+
+    def get(self, idx):
+        log = os.environ.get("SSL_TEST_READS")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{self.split} {idx}\\n")
+        return super().get(idx)
+'''
+
+CONFIG = """# @package _global_
+config:
+  LOG_FREQUENCY: 1
+  TEST_MODEL: true
+  MULTI_PROCESSING_METHOD: fork
+  USER_MODULES: [{module}]
+  HOOKS:
+    CUSTOM: [{{name: KillAt}}]
+  DATA:
+    NUM_DATALOADER_WORKERS: 0
+    PIN_MEMORY: false
+    TRAIN:
+      DATA_SOURCES: [counted_synthetic]
+      LABEL_SOURCES: [counted_synthetic]
+      DATA_LIMIT: 48
+      SYNTHETIC_IMAGE_SIZE: 8
+      BATCHSIZE_PER_REPLICA: 8
+      TRANSFORMS: [{{name: RandomResizedCrop, size: 8, scale: [0.5, 1.0]}}, {{name: RandomHorizontalFlip}}, {{name: ToTensor}}]
+    TEST:
+      DATA_SOURCES: [counted_synthetic]
+      LABEL_SOURCES: [counted_synthetic]
+      DATA_LIMIT: 20
+      SYNTHETIC_IMAGE_SIZE: 8
+      BATCHSIZE_PER_REPLICA: 8
+      TRANSFORMS: [{{name: ToTensor}}]
+  METERS:
+    names: [accuracy_list_meter]
+  MACHINE: {{DEVICE: cpu}}
+  MODEL:
+    TRUNK: {{NAME: mlp, MLP: {{DIMS: [192, 32], USE_BN: true}}}}
+    HEAD: {{PARAMS: [[mlp, {{dims: [32, 10]}}]]}}
+  LOSS: {{name: cross_entropy_multiple_output_single_target}}
+  OPTIMIZER:
+    name: sgd
+    num_epochs: 3
+    param_schedulers: {{lr: {{name: cosine, start_value: 0.1, end_value: 0.001, update_interval: step}}}}
+  DISTRIBUTED: {{NUM_PROC_PER_NODE: 1}}
+  CHECKPOINT: {{CHECKPOINT_ITER_FREQUENCY: 2}}
+"""
+
+ITERS_PER_EPOCH, EPOCHS = 6, 3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    module = root / "resume_killer.py"
+    module.write_text(KILLER)
+    cfg = root / "resume.yaml"
+    cfg.write_text(CONFIG.format(module=module))
+    return root, cfg
+
+
+def run(cfg, folder, *extra, kill="", reads=None):
+    env = {"SSL_TEST_KILL": kill}
+    if reads:
+        env["SSL_TEST_READS"] = str(reads)
+    return run_tool([f"config={cfg}", f"config.CHECKPOINT.DIR={folder}", *extra], env=env)
+
+
+def tensors_of(path):
+    ck = torch.load(str(path), map_location="cpu", weights_only=True)["classy_state_dict"]
+    return {"model": ck["base_model"], "optimizer": ck["optimizer"], "meters": ck["meters"]}
+
+
+def assert_bitwise_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {where}"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"keys differ at {where}: {set(a) ^ set(b)}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"length differs at {where}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"value differs at {where}: {a!r} vs {b!r}"
+
+
+def losses(folder):
+    """iteration -> loss, the last logged value of each iteration (a resumed run logs some twice)."""
+    out = {}
+    for line in (Path(folder) / "stdout.json").read_text().splitlines():
+        r = json.loads(line)
+        out[r["iteration"]] = r["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    """Uninterrupted runs with 0 and 2 loader workers."""
+    root, cfg = setup
+    refs = {}
+    for workers in (0, 2):
+        folder = root / f"ref_w{workers}"
+        r = run(cfg, folder, f"config.DATA.NUM_DATALOADER_WORKERS={workers}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        refs[workers] = folder
+    return refs
+
+
+def test_workers_do_not_change_the_result(reference):
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(reference[2] / "checkpoint.torch"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_at_random_moments_resumes_bitwise(setup, reference, workers):
+    root, cfg = setup
+    seed = int(os.environ.get("SSL_TEST_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    total = ITERS_PER_EPOCH * EPOCHS
+    # one kill inside a phase, one at a phase boundary, one in the middle of a checkpoint write
+    kills = [f"step:{rng.randint(1, total // 2)}", f"phase_end:{rng.randint(0, 2 * EPOCHS - 2)}",
+             f"save:{rng.randint(2, 8)}"]
+    rng.shuffle(kills)
+    folder = root / f"killed_w{workers}_{seed}"
+    extra = [f"config.DATA.NUM_DATALOADER_WORKERS={workers}"]
+    for kill in kills:
+        r = run(cfg, folder, *extra, kill=kill)
+        assert r.returncode == -signal.SIGKILL or r.returncode == 0, (kill, r.stderr[-3000:])
+    # and one kill at a random instant in time
+    proc = subprocess.Popen([sys.executable, TOOL, f"config={cfg}", f"config.CHECKPOINT.DIR={folder}", *extra],
+                            cwd=str(REPO), env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(rng.uniform(3.0, 6.0))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = run(cfg, folder, *extra)
+    assert r.returncode == 0, (seed, kills, r.stderr[-3000:])
+    assert (folder / f"model_final_checkpoint_phase{EPOCHS - 1}.torch").exists()
+    ref = reference[workers]
+    assert_bitwise_equal(tensors_of(ref / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+    assert losses(ref) == losses(folder), f"seed {seed} kills {kills}"
+    assert not [p.name for p in folder.iterdir() if ".tmp." in p.name], "temporary files left behind"
+
+
+def test_preemption_signal_checkpoints_and_exits_3(setup, reference):
+    root, cfg = setup
+    folder = root / "preempted"
+    r = run(cfg, folder, kill="term:7")
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "preemption" in (r.stdout + r.stderr)
+    assert (folder / "model_iteration8.torch").exists()  # written at the next step boundary
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+
+def test_resume_does_not_replay_data(setup, tmp_path):
+    root, cfg = setup
+    folder, reads = tmp_path / "run", tmp_path / "reads.txt"
+    r = run(cfg, folder, "config.TEST_MODEL=false", kill="step:4")  # checkpoint at iteration 4 of phase 0
+    assert r.returncode == -signal.SIGKILL
+    reads.write_text("")
+    r = run(cfg, folder, "config.TEST_MODEL=false", reads=reads)
+    assert r.returncode == 0, r.stderr[-2000:]
+    train_reads = [ln for ln in reads.read_text().splitlines() if ln.startswith("TRAIN")]
+    batch = 8
+    # the resumed run reads the 2 remaining batches of phase 0, then 2 whole phases
+    assert len(train_reads) == (ITERS_PER_EPOCH - 4) * batch + (EPOCHS - 1) * ITERS_PER_EPOCH * batch
+
+
+def test_truncated_newest_checkpoint_is_skipped(setup, reference):
+    root, cfg = setup
+    folder = root / "truncated"
+    r = run(cfg, folder, kill="step:9")
+    assert r.returncode == -signal.SIGKILL
+    newest = (folder / "checkpoint.torch").resolve()
+    assert newest.name == "model_iteration8.torch"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert "skipping checkpoint model_iteration8.torch" in out
+    assert "resumed from" in out
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+
+def test_finished_run_is_not_retrained(setup, reference, tmp_path):
+    root, cfg = setup
+    before = {p.name: p.stat().st_mtime_ns for p in reference[0].iterdir()}
+    r = run(cfg, reference[0], "config.DATA.NUM_DATALOADER_WORKERS=0")
+    assert r.returncode == 0
+    assert "has finished" in r.stdout + r.stderr
+    after = {p.name: p.stat().st_mtime_ns for p in reference[0].iterdir() if p.name in before}
+    changed = [n for n in before if n not in ("log.txt",) and before[n] != after.get(n)]
+    assert not changed, changed
+
+
+def test_keep_last_and_overwrite_existing(setup, tmp_path):
+    root, cfg = setup
+    folder = tmp_path / "keep"
+    r = run(cfg, folder, "config.CHECKPOINT.KEEP_LAST=2", "config.TEST_MODEL=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = sorted(p.name for p in folder.glob("model_*.torch"))
+    assert f"model_final_checkpoint_phase{EPOCHS - 1}.torch" in names
+    assert len([n for n in names if "final" not in n]) == 2, names
+    r = run(cfg, folder, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=1",
+            "config.TEST_MODEL=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (folder / "model_final_checkpoint_phase0.torch").exists()
+    assert not (folder / f"model_final_checkpoint_phase{EPOCHS - 1}.torch").exists()

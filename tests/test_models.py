@@ -287,8 +287,11 @@ def test_state_roundtrip_and_sync_bn_noop(resnet18: SSLModel) -> None:
     model = build(model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 4], "use_bn": True}]]))
     converted = convert_sync_batchnorm(model, AttrDict({"CONVERT_BN_TO_SYNC_BN": True, "GROUP_SIZE": -1}))
     assert any(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
+    # VISSL configs name apex's SyncBN: it runs as torch's
+    converted = convert_sync_batchnorm(model, AttrDict({"CONVERT_BN_TO_SYNC_BN": True, "SYNC_BN_TYPE": "apex"}))
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
     with pytest.raises(UserError, match="SYNC_BN_TYPE"):
-        convert_sync_batchnorm(model, AttrDict({"CONVERT_BN_TO_SYNC_BN": True, "SYNC_BN_TYPE": "apex"}))
+        convert_sync_batchnorm(model, AttrDict({"CONVERT_BN_TO_SYNC_BN": True, "SYNC_BN_TYPE": "other"}))
 
 
 def test_registries_hold_builtins() -> None:

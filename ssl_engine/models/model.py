@@ -357,9 +357,11 @@ def convert_sync_batchnorm(
     cfg = sync_bn_config or {}
     if not cfg.get("CONVERT_BN_TO_SYNC_BN", False):
         return model
-    bn_type = cfg.get("SYNC_BN_TYPE", "pytorch")
-    if str(bn_type).lower() != "pytorch":
-        raise UserError(f"MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE={bn_type!r} is not supported; valid: 'pytorch'")
+    bn_type = str(cfg.get("SYNC_BN_TYPE", "pytorch")).lower()
+    if bn_type not in ("pytorch", "apex"):
+        raise UserError(f"MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE={bn_type!r} is not supported; valid: pytorch, apex")
+    if bn_type == "apex":
+        logger.warning("MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=apex runs as torch.nn.SyncBatchNorm (apex is not used)")
     group_size = cfg.get("GROUP_SIZE", -1)
     try:
         group_size = int(group_size)

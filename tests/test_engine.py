@@ -1,0 +1,271 @@
+"""Engine core, end to end through the real tool and in-process: phases, train step, registry."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_tool
+from ssl_engine.config import compose
+from ssl_engine.errors import NonFiniteLossError, UserError
+from ssl_engine.registry import Registry
+
+TINY = [
+    "config.MACHINE.DEVICE=cpu",
+    "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
+    "config.DATA.NUM_DATALOADER_WORKERS=0",
+    "config.DATA.TRAIN.DATA_SOURCES=[synthetic]",
+    "config.DATA.TRAIN.LABEL_SOURCES=[synthetic]",
+    "config.DATA.TRAIN.DATA_LIMIT=32",
+    "config.DATA.TRAIN.SYNTHETIC_IMAGE_SIZE=4",
+    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+    "config.DATA.TRAIN.TRANSFORMS=[{name: ToTensor}]",
+    "config.DATA.TEST.DATA_SOURCES=[synthetic]",
+    "config.DATA.TEST.LABEL_SOURCES=[synthetic]",
+    "config.DATA.TEST.DATA_LIMIT=16",
+    "config.DATA.TEST.SYNTHETIC_IMAGE_SIZE=4",
+    "config.DATA.TEST.BATCHSIZE_PER_REPLICA=8",
+    "config.DATA.TEST.TRANSFORMS=[{name: ToTensor}]",
+    "config.MODEL.TRUNK.NAME=mlp",
+    "config.MODEL.TRUNK.MLP.DIMS=[48,16]",
+    "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,10]}]]",
+    "config.LOSS.name=cross_entropy_multiple_output_single_target",
+    "config.METERS.names=[accuracy_list_meter]",
+    "config.OPTIMIZER.num_epochs=2",
+    "config.OPTIMIZER.param_schedulers.lr.name=constant",
+    "config.OPTIMIZER.param_schedulers.lr.value=0.1",
+]
+
+
+def tiny_task(tmp_path, *overrides):
+    """A prepared task built in-process from the tiny config (no hooks)."""
+    from ssl_engine.engines.run import load_builtin_parts
+    from ssl_engine.tasks import build_task
+
+    load_builtin_parts()
+    cfg = compose(TINY + [f"config.CHECKPOINT.DIR={tmp_path}", *overrides])
+    torch.manual_seed(0)
+    task = build_task(cfg)
+    task.prepare()
+    task.set_hooks([])
+    return task
+
+
+def run_phase(task):
+    task.advance_phase()
+    while True:
+        try:
+            task.train_step_fn(task)
+        except StopIteration:
+            break
+    task.phase_complete = True
+
+
+# -- through the tool ------------------------------------------------------------------------
+
+
+def test_quick_simclr_synthetic_writes_the_run_folder(tmp_path):
+    folder = tmp_path / "run1"
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={folder}", "config.OPTIMIZER.num_epochs=2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = {p.name for p in folder.iterdir()}
+    assert {"train_config.yaml", "log.txt", "stdout.json", "metrics.json", "model_phase0.torch",
+            "model_final_checkpoint_phase1.torch", "checkpoint.torch"} <= names
+    assert (folder / "checkpoint.torch").resolve().name == "model_final_checkpoint_phase1.torch"
+    metrics = [json.loads(x) for x in (folder / "metrics.json").read_text().splitlines()]
+    assert [m["train_phase_idx"] for m in metrics] == [0, 1]
+    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in metrics)
+    steps = [json.loads(x) for x in (folder / "stdout.json").read_text().splitlines()]
+    assert [s["iteration"] for s in steps] == [2, 4, 6, 8]  # LOG_FREQUENCY 2, 4 iterations per epoch
+    assert {"lr", "loss", "data_time", "batch_time", "eta"} <= set(steps[0])
+    assert "train phase 0" in (folder / "log.txt").read_text()
+    ckpt = torch.load(str(folder / "checkpoint.torch"), weights_only=True)
+    assert {"phase_idx", "train_phase_idx", "iteration", "iteration_num", "type", "classy_state_dict"} <= set(ckpt)
+    assert ckpt["iteration"] == 8 and ckpt["type"] == "final"
+    assert set(ckpt["classy_state_dict"]["base_model"]["model"]) == {"trunk", "heads"}
+    # the resolved config composes again, unchanged
+    saved = compose([f"config={folder / 'train_config.yaml'}"], warn_unused=False)
+    assert saved.OPTIMIZER.num_epochs == 2 and saved.CHECKPOINT.DIR == str(folder)
+    assert yaml.safe_load((folder / "train_config.yaml").read_text())["config"]["LOSS"]["name"] == "simclr_info_nce_loss"
+
+
+def test_supervised_digits_reaches_90_percent(tmp_path):
+    folder = tmp_path / "sup"
+    r = run_tool(["config=quick/supervised_digits", f"config.CHECKPOINT.DIR={folder}", "config.OPTIMIZER.num_epochs=3"],
+                 timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = [json.loads(x) for x in (folder / "metrics.json").read_text().splitlines()]
+    tests = [m for m in metrics if "test_accuracy_list_meter" in m]
+    assert len(tests) == 3  # a test phase after each of the 3 train phases
+    top1 = tests[-1]["test_accuracy_list_meter"]["top_1"]["0"]
+    assert top1 >= 90.0, metrics
+
+
+def test_vissl_simclr_config_runs_on_two_cpu_processes(tmp_path):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    for c in ("cat", "dog"):
+        (images / c).mkdir(parents=True)
+        for i in range(5):
+            Image.new("RGB", (48, 40), (40 * i, 100 if c == "cat" else 30, 7 * i)).save(images / c / f"{i}.png")
+    folder = tmp_path / "vissl"
+    r = run_tool([
+        "config=pretrain/simclr/simclr_8node_resnet", f"config.DATA.TRAIN.DATA_PATHS=[{images}]",
+        "config.DATA.TRAIN.DATA_LIMIT=8", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4",
+        "config.DISTRIBUTED.NUM_NODES=1", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.MACHINE.DEVICE=cpu",
+        "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=false", "config.DATA.NUM_DATALOADER_WORKERS=0",
+        "config.OPTIMIZER.num_epochs=1", f"config.CHECKPOINT.DIR={folder}",
+    ], timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = torch.load(str(folder / "model_final_checkpoint_phase0.torch"), weights_only=True)
+    assert ckpt["iteration"] == 1  # 8 samples / (4 per rank x 2 ranks)
+    assert ckpt["classy_state_dict"]["world_size"] == 2
+    # auto_lr_scaling: 0.3 x 8/256 peak; the composite schedule starts at 0.6/4.8 of it
+    log = (folder / "log.txt").read_text()
+    assert "simclr_info_nce_loss" in (folder / "train_config.yaml").read_text()
+    assert "train phase 0 done" in log
+
+
+USER_MODULE = '''
+import os
+import torch
+from torch import nn
+from ssl_engine.registry import TRUNKS, LOSSES, TRAIN_STEPS
+from ssl_engine.train_steps import standard_train_step
+from classy_vision.losses import ClassyLoss
+
+
+@TRUNKS.register("user_tiny_trunk")
+class UserTinyTrunk(nn.Module):
+    def __init__(self, model_config, model_name):
+        super().__init__()
+        self.fc = nn.Linear(48, 16)
+
+    def forward(self, x, out_feat_keys=None):
+        return [torch.relu(self.fc(x.flatten(1)))]
+
+
+@LOSSES.register("user_ce")
+class UserCE(ClassyLoss):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(cfg.get("scale", 1.0))
+
+    def forward(self, output, target):
+        return self.scale * nn.functional.cross_entropy(output[0], target)
+
+
+@TRAIN_STEPS.register("user_counting_step")
+def user_counting_step(task):
+    standard_train_step(task)
+    with open(os.path.join(task.checkpoint_folder, f"steps_rank{task.rank}.txt"), "a") as f:
+        f.write(f"{task.iteration}\\n")
+'''
+
+
+def test_user_modules_register_parts_used_by_two_ranks(tmp_path):
+    mod = tmp_path / "my_parts.py"
+    mod.write_text(USER_MODULE)
+    folder = tmp_path / "user"
+    r = run_tool(TINY + [
+        f"config.USER_MODULES=[{mod}]", "config.MODEL.TRUNK.NAME=user_tiny_trunk", "config.LOSS.name=user_ce",
+        "+config.LOSS.user_ce.scale=0.5", "config.TRAINER.TRAIN_STEP_NAME=user_counting_step",
+        "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.TEST_MODEL=false", f"config.CHECKPOINT.DIR={folder}",
+    ])
+    assert r.returncode == 0, r.stderr[-3000:]
+    # 32 samples, 8 per rank, 2 ranks: 2 iterations per epoch, 2 epochs, on each rank
+    for rank in (0, 1):
+        assert (folder / f"steps_rank{rank}.txt").read_text().split() == ["1", "2", "3", "4"]
+    trunk = torch.load(str(folder / "checkpoint.torch"), weights_only=True)["classy_state_dict"]["base_model"]["model"]["trunk"]
+    assert set(trunk) == {"fc.weight", "fc.bias"}
+
+
+# -- in-process: phases, train step -----------------------------------------------------------
+
+
+def test_phases_follow_test_every_num_epoch_and_test_only(tmp_path):
+    from ssl_engine.tasks.self_supervision_task import build_phases
+
+    cfg = compose(TINY + ["config.OPTIMIZER.num_epochs=5", "config.TEST_EVERY_NUM_EPOCH=2"])
+    assert [p["train"] for p in build_phases(cfg)] == [True, True, False, True, True, False, True, False]
+    cfg = compose(TINY + ["config.TEST_MODEL=false"])
+    assert [p["train"] for p in build_phases(cfg)] == [True, True]
+    cfg = compose(TINY + ["config.TEST_ONLY=true"])
+    assert [p["train"] for p in build_phases(cfg)] == [False]
+
+
+def test_train_phase_updates_and_test_phase_does_not(tmp_path):
+    task = tiny_task(tmp_path)
+    before = {k: v.clone() for k, v in task.base_model.state_dict().items()}
+    run_phase(task)
+    assert task.iteration == 4 and task.train_phase_idx == 0
+    assert not torch.equal(before["heads.0.clf.0.weight"], task.base_model.state_dict()["heads.0.clf.0.weight"])
+    after_train = {k: v.clone() for k, v in task.base_model.state_dict().items()}
+    run_phase(task)  # the test phase
+    assert not task.train and task.iteration == 4 and task.local_iteration_num == 2
+    assert all(torch.equal(after_train[k], v) for k, v in task.base_model.state_dict().items())
+    assert task.meters[0].value["top_1"]["0"] >= 0
+
+
+def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
+    a = tiny_task(tmp_path / "a", "config.TRAINER.GRAD_ACCUMULATION_STEPS=2", "config.OPTIMIZER.momentum=0.0",
+                  "config.OPTIMIZER.weight_decay=0.0")
+    b = tiny_task(tmp_path / "b", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16", "config.OPTIMIZER.momentum=0.0",
+                  "config.OPTIMIZER.weight_decay=0.0")
+    b.base_model.load_state_dict(a.base_model.state_dict())
+    run_phase(a)
+    run_phase(b)
+    for (k, x), y in zip(a.base_model.state_dict().items(), b.base_model.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-5), k
+
+
+def test_gradient_clipping_bounds_the_update(tmp_path):
+    task = tiny_task(tmp_path, "config.MODEL.GRAD_CLIP.USE_GRAD_CLIP=true", "config.MODEL.GRAD_CLIP.MAX_NORM=0.001",
+                     "config.OPTIMIZER.momentum=0.0", "config.OPTIMIZER.weight_decay=0.0")
+    before = [p.detach().clone() for p in task.base_model.parameters()]
+    task.advance_phase()
+    task.train_step_fn(task)
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(task.base_model.parameters(), before)])
+    assert delta.norm().item() <= 0.1 * 0.001 * 1.0001  # lr x max_norm
+
+
+def test_amp_bfloat16_on_cpu_trains(tmp_path):
+    task = tiny_task(tmp_path, "config.MODEL.AMP_PARAMS.USE_AMP=true")
+    assert task.amp_dtype == torch.bfloat16 and task.grad_scaler is None
+    task.advance_phase()
+    task.train_step_fn(task)
+    assert task.last_model_output[0].dtype == torch.bfloat16
+    assert torch.isfinite(task.last_loss)
+
+
+def test_non_finite_loss_names_iteration_and_phase(tmp_path):
+    task = tiny_task(tmp_path, "config.OPTIMIZER.param_schedulers.lr.value=1e30")
+    task.advance_phase()
+    with pytest.raises(NonFiniteLossError, match=r"iteration \d+ \(phase 0, train"):
+        for _ in range(4):
+            task.train_step_fn(task)
+
+
+def test_registry_lists_known_names_on_unknown():
+    reg = Registry("widget", "config.WIDGET")
+
+    @reg.register("round")
+    class Round:
+        pass
+
+    @reg.register()
+    def square():
+        return 1
+
+    assert reg.get("round") is Round and reg.get("square") is square and "round" in reg
+    with pytest.raises(UserError, match=r"unknown widget 'rond' \(config key config.WIDGET\).*did you mean 'round'.*known: round, square"):
+        reg.get("rond")
+    with pytest.raises(ValueError):
+        reg.register("round")(square)

@@ -1,0 +1,149 @@
+"""Checkpoint files: atomic writes, newest-good lookup, safe loading, weight initialisation."""
+
+import errno
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from ssl_engine import checkpoint as ck
+from ssl_engine.config import compose
+from ssl_engine.errors import CheckpointError, UserError
+
+
+def engine_ckpt(iteration):
+    return {"phase_idx": 0, "train_phase_idx": 0, "iteration": iteration, "iteration_num": iteration,
+            "type": "iteration", "classy_state_dict": {"phase_idx": 0, "w": torch.full((3,), float(iteration))}}
+
+
+def test_save_points_and_prunes(tmp_path):
+    for i in (2, 4, 6):
+        ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(i), engine_ckpt(i), keep_last=2)
+    ck.save_checkpoint(tmp_path, ck.final_checkpoint_name(0), engine_ckpt(7), keep_last=2)
+    ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(8), engine_ckpt(8), keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["checkpoint.torch", "model_final_checkpoint_phase0.torch", "model_iteration6.torch",
+                     "model_iteration8.torch"]
+    assert os.readlink(tmp_path / "checkpoint.torch") == "model_iteration8.torch"
+    path, data = ck.newest_good_checkpoint(tmp_path)
+    assert path.name == "model_iteration8.torch" and data["iteration"] == 8
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(2), engine_ckpt(2))
+
+    def full_disk(obj, f):
+        f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=f"in {tmp_path}: the disk is full"):
+        ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(4), engine_ckpt(4))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.torch", "model_iteration2.torch"]
+    assert ck.load_checkpoint(tmp_path / "checkpoint.torch")["iteration"] == 2
+
+
+def test_truncated_and_foreign_files_are_skipped(tmp_path, caplog):
+    ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(2), engine_ckpt(2))
+    ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(4), engine_ckpt(4))
+    newest = tmp_path / "model_iteration4.torch"
+    newest.write_bytes(newest.read_bytes()[:200])
+    path, data = ck.newest_good_checkpoint(tmp_path)
+    assert path.name == "model_iteration2.torch"
+    assert "skipping checkpoint model_iteration4.torch" in caplog.text
+    with pytest.raises(CheckpointError, match="truncated or unreadable"):
+        ck.load_checkpoint(newest)
+
+
+class Payload:
+    """Unpickling this creates a marker file: a checkpoint loader must never do it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_payload_is_refused_and_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "model_iteration9.torch"
+    torch.save({"phase_idx": 0, "classy_state_dict": {"x": Payload(str(marker))}}, str(evil))
+    with pytest.raises(CheckpointError, match="refused to load"):
+        ck.load_checkpoint(evil)
+    assert not marker.exists()
+    assert ck.newest_good_checkpoint(tmp_path) is None
+    assert not marker.exists()
+    with open(tmp_path / "plain.pkl", "wb") as f:
+        pickle.dump(Payload(str(marker)), f)
+    with pytest.raises(CheckpointError):
+        ck.load_checkpoint(tmp_path / "plain.pkl")
+    assert not marker.exists()
+
+
+def weights_cfg(path, **kw):
+    cfg = compose(["config.MACHINE.DEVICE=cpu"]).MODEL.WEIGHTS_INIT
+    cfg.PARAMS_FILE = str(path)
+    for k, v in kw.items():
+        cfg[k] = v
+    return cfg
+
+
+def resnet18_model():
+    from ssl_engine.models import build_model
+
+    cfg = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,10]}]]"])
+    return build_model(cfg.MODEL, cfg.OPTIMIZER)
+
+
+def test_init_from_torchvision_state_dict_with_prefix_and_skip(tmp_path):
+    torch.manual_seed(1)
+    tv = torchvision.models.resnet18()
+    torch.save(tv.state_dict(), str(tmp_path / "tv.pth"))
+    model = resnet18_model()
+    head_before = model.heads[0].clf[0].weight.clone()
+    report = ck.init_model_from_weights(
+        model, weights_cfg(tmp_path / "tv.pth", STATE_DICT_KEY_NAME="", APPEND_PREFIX="trunk._feature_blocks.",
+                           SKIP_LAYERS=["num_batches_tracked", "layer4"])
+    )
+    own = model.state_dict()
+    assert torch.equal(own["trunk._feature_blocks.conv1.weight"], tv.state_dict()["conv1.weight"])
+    assert torch.equal(own["trunk._feature_blocks.layer3.1.bn2.running_var"], tv.state_dict()["layer3.1.bn2.running_var"])
+    assert not torch.equal(own["trunk._feature_blocks.layer4.0.conv1.weight"], tv.state_dict()["layer4.0.conv1.weight"])
+    assert torch.equal(model.heads[0].clf[0].weight, head_before)
+    assert "trunk._feature_blocks.fc.weight" in report["unexpected"]
+    assert any(k.startswith("heads.") for k in report["missing"])
+
+
+def test_init_from_vissl_layout_and_removed_prefix(tmp_path):
+    src = resnet18_model()
+    state = {"trunk": {k[len("trunk."):]: v for k, v in src.state_dict().items() if k.startswith("trunk.")},
+             "heads": {k[len("heads."):]: v for k, v in src.state_dict().items() if k.startswith("heads.")}}
+    torch.save({"classy_state_dict": {"base_model": {"model": state, "meta": {}}}}, str(tmp_path / "vissl.torch"))
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "vissl.torch"))
+    assert not report["missing"] and not report["unexpected"]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), src.state_dict().values())
+               if a.dtype.is_floating_point)
+    # a DDP-style "module." prefix is removed by REMOVE_PREFIX
+    torch.save({"model_state_dict": {f"module.{k}": v for k, v in src.state_dict().items()}}, str(tmp_path / "ddp.pt"))
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "ddp.pt", STATE_DICT_KEY_NAME="model_state_dict",
+                                                           REMOVE_PREFIX="module."))
+    assert not report["missing"]
+
+
+def test_init_errors_name_the_file(tmp_path):
+    model = resnet18_model()
+    with pytest.raises(UserError, match="does not exist"):
+        ck.init_model_from_weights(model, weights_cfg(tmp_path / "missing.torch"))
+    torch.save({"foo": torch.zeros(2)}, str(tmp_path / "other.torch"))
+    with pytest.raises(UserError, match="none of its 1 weights match the model"):
+        ck.init_model_from_weights(model, weights_cfg(tmp_path / "other.torch"))
+    torch.save({"classy_state_dict": {"meta": 3}}, str(tmp_path / "empty.torch"))
+    with pytest.raises(CheckpointError, match="holds no weights"):
+        ck.init_model_from_weights(model, weights_cfg(tmp_path / "empty.torch"))

@@ -1,7 +1,7 @@
 """SelfSupervisionTrainer: the phase loop. Everything optional happens in hooks."""
 
 import logging
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ssl_engine import distributed as du
 from ssl_engine.config.attr_dict import AttrDict
@@ -21,6 +21,7 @@ class SelfSupervisionTrainer:
         checkpoint_folder: Optional[str] = None,
         hooks: Optional[List[Any]] = None,
         local_rank: int = 0,
+        checkpoint: Optional[Dict[str, Any]] = None,
     ) -> None:
         self.cfg = cfg
         self.dist_run_id = dist_run_id
@@ -28,6 +29,7 @@ class SelfSupervisionTrainer:
         self.checkpoint_folder = checkpoint_folder or cfg.CHECKPOINT.DIR
         self.hooks = hooks or []
         self.local_rank = local_rank
+        self._checkpoint = checkpoint  # the loaded checkpoint_path, when the caller has read it already
         self.task = build_task(cfg)
 
     def setup(self) -> Any:
@@ -41,8 +43,9 @@ class SelfSupervisionTrainer:
         task.prepare(local_rank=self.local_rank)
         task.set_hooks(self.hooks)
         if self.checkpoint_path:
-            state = load_checkpoint(self.checkpoint_path)["classy_state_dict"]
-            task.set_classy_state(state)
+            data = self._checkpoint if self._checkpoint is not None else load_checkpoint(self.checkpoint_path)
+            self._checkpoint = None
+            task.set_classy_state(data["classy_state_dict"])
             log.info("resumed from %s at phase %d, iteration %d", self.checkpoint_path, task.phase_idx, task.iteration)
         else:
             task.init_weights()

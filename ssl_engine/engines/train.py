@@ -3,10 +3,18 @@
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ssl_engine import distributed as du
-from ssl_engine.checkpoint import POINTER, atomic_write_text, final_checkpoint, list_checkpoints, newest_good_checkpoint
+from ssl_engine.checkpoint import (
+    POINTER,
+    atomic_write_text,
+    final_checkpoint,
+    is_engine_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    newest_good_checkpoint,
+)
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.compose import to_yaml
 from ssl_engine.distributed import RankInfo
@@ -31,17 +39,23 @@ def clear_finished_run(folder: Path) -> None:
         shutil.rmtree(tb)
 
 
-def resume_checkpoint(cfg: AttrDict) -> Optional[str]:
-    """The checkpoint this run continues from: RESUME_FROM, else the folder's newest good one."""
+def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """The checkpoint this run continues from, loaded: RESUME_FROM, else the folder's newest good one."""
     if cfg.CHECKPOINT.RESUME_FROM:
         path = Path(str(cfg.CHECKPOINT.RESUME_FROM)).expanduser()
         if not path.is_file():
             raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
-        return str(path)
+        data = load_checkpoint(path)
+        if not is_engine_checkpoint(data):
+            raise CheckpointError(
+                f"config.CHECKPOINT.RESUME_FROM: {path} is not an ssl_engine checkpoint (no phase_idx / "
+                f"classy_state_dict); to start from its weights use config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+            )
+        return str(path), data
     if not cfg.CHECKPOINT.AUTO_RESUME:
         return None
     found = newest_good_checkpoint(Path(cfg.CHECKPOINT.DIR))
-    return str(found[0]) if found else None
+    return (str(found[0]), found[1]) if found else None
 
 
 @ENGINES.register("train")
@@ -59,11 +73,12 @@ def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
             log.warning("CHECKPOINT.OVERWRITE_EXISTING: removing the finished run's checkpoints in %s", folder)
             clear_finished_run(folder)
         du.barrier()
-    checkpoint_path = resume_checkpoint(cfg)
+    resume = resume_checkpoint(cfg)
     if du.is_primary():
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(folder / "train_config.yaml", to_yaml(cfg))
     trainer = SelfSupervisionTrainer(
-        cfg, info.init_method, checkpoint_path, str(folder), default_hooks(cfg), local_rank=info.local_rank
+        cfg, info.init_method, resume[0] if resume else None, str(folder), default_hooks(cfg),
+        local_rank=info.local_rank, checkpoint=resume[1] if resume else None,
     )
     return trainer.train()

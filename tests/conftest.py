@@ -32,6 +32,18 @@ def run_tool(args: List[str], env: Optional[Dict[str, str]] = None, timeout: flo
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need CUDA: skipped with a reason where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Tests share 2 cores with each other: keep torch to one thread in-process too."""

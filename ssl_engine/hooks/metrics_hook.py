@@ -1,10 +1,13 @@
 """MetricsHook: at each phase end, log every meter value and the phase's mean loss, and
-write them as one line of CHECKPOINT.DIR/metrics.json (VISSL's format)."""
+write them as one line of CHECKPOINT.DIR/metrics.json (VISSL's format).
+
+The phase loss is the mean over samples (each batch's loss weighted by its number of real
+samples, padding left out), summed over ranks: the same value for any number of ranks."""
 
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -28,15 +31,54 @@ def read_metrics(path: Path) -> list:
     return out
 
 
+def _num_samples(batch: Any) -> Optional[torch.Tensor]:
+    """Real (not padded) samples of a batch as a 0-d tensor on the batch's device (no sync),
+    None when the batch does not say (then each batch counts once)."""
+    flags = batch.get("data_valid") if isinstance(batch, dict) else None
+    if isinstance(flags, (list, tuple)):
+        flags = flags[0] if flags else None
+    if not isinstance(flags, torch.Tensor) or flags.ndim != 1:
+        return None
+    return (flags > 0).sum()
+
+
+def flatten_metrics(record: Dict[str, Any], sep: str = "/") -> Dict[str, float]:
+    """The numeric leaves of a (nested) phase record, keyed like 'test_accuracy_list_meter/top_1/0'."""
+    flat: Dict[str, float] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{sep}{k}" if prefix else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}{sep}{i}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[prefix] = float(value)
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            flat[prefix] = float(value.item())
+
+    walk("", record)
+    return flat
+
+
 @HOOKS.register("MetricsHook")
 class MetricsHook(SSLHook):
-    """Per-phase meter values: log line plus metrics.json, rewritten atomically."""
+    """Per-phase meter values: log line plus metrics.json, rewritten atomically.
+
+    Other hooks add values to the phase record by defining ``phase_metrics(task) -> dict``
+    (called on every rank, so it may use collectives); each key ``k`` becomes ``{phase}_{k}``.
+    The record is kept as ``last_record`` on every rank (BestCheckpointer reads it) and handed
+    to the writers' ``write_phase`` on rank 0 (TensorBoard).
+    """
 
     priority = Priority.BELOW_NORMAL
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, writers: Optional[List[Any]] = None) -> None:
         super().__init__()
         self.path = Path(folder) / "metrics.json"
+        self.writers = list(writers or [])  # periodic_writer.Writer instances: write_phase(record)
+        self.last_record: Dict[str, Any] = {}
         self._loss_sum: Optional[torch.Tensor] = None
         self._count = 0
         self.state.loss_sum = 0.0
@@ -48,9 +90,12 @@ class MetricsHook(SSLHook):
         self._loss_sum, self._count = None, 0
 
     def on_loss_and_meter(self, task: Any) -> None:
-        loss = task.last_loss.float()
+        loss = task.last_loss.double()
+        weight = _num_samples(task.last_batch)
+        if weight is not None:
+            loss = loss * weight.to(loss.device)
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        self._count += 1
+        self._count = self._count + (weight if weight is not None else 1)
 
     def get_classy_state(self) -> Dict[str, Any]:
         self._fold()
@@ -62,7 +107,7 @@ class MetricsHook(SSLHook):
     def _fold(self) -> None:
         if self._loss_sum is not None:
             self.state.loss_sum += float(self._loss_sum.item())
-            self.state.count += self._count
+            self.state.count += int(self._count)
             self._loss_sum, self._count = None, 0
 
     def on_phase_end(self, task: Any) -> None:
@@ -71,8 +116,6 @@ class MetricsHook(SSLHook):
         if du.get_world_size() > 1:
             torch.distributed.all_reduce(total)
         mean_loss = float(total[0] / max(1.0, float(total[1])))
-        if not du.is_primary():
-            return
         pt = task.phase_type
         record: Dict[str, Any] = {
             "iteration": task.iteration,
@@ -80,10 +123,20 @@ class MetricsHook(SSLHook):
             "train_phase_idx": task.train_phase_idx,
             f"{pt}_loss": mean_loss,
         }
-        for meter in task.meters:
-            record[f"{pt}_{meter.name}"] = meter.value
+        values: Dict[str, Any] = {m.name: m.value for m in task.meters}
+        for hook in task.hooks:  # e.g. the EMA model's meters, the perf stats breakdown
+            extra = getattr(hook, "phase_metrics", None)
+            if extra is not None and hook is not self:
+                values.update(extra(task) or {})
+        for name, value in values.items():
+            record[f"{pt}_{name}"] = value
+        self.last_record = record  # the same on every rank (meters are synced, the loss reduced)
+        if not du.is_primary():
+            return
         log.info("%s phase %d done: loss %.5f%s", pt, task.phase_idx, mean_loss,
-                 "".join(f" | {m.name} {json.dumps(m.value)}" for m in task.meters))
+                 "".join(f" | {k} {json.dumps(v)}" for k, v in values.items()))
         lines = [r for r in read_metrics(self.path) if r.get("phase_idx") != task.phase_idx]
         lines.append(record)
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in lines))
+        for w in self.writers:
+            w.write_phase(record)

@@ -116,7 +116,7 @@ class SelfSupervisionTask(ClassyTask):
         self._hook_names = {ev: [type(fn.__self__).__name__ for fn in fns] for ev, fns in self._hook_calls.items()}
         self._time_hooks = any(getattr(h, "wants_hook_timing", False) for h in self.hooks)
         self.hook_seconds: Dict[str, float] = {type(h).__name__: 0.0 for h in self.hooks}
-        if du.is_primary():
+        if self.hooks and du.is_primary():
             log.info("hooks by event, in the order they run:\n%s", self.hook_table())
         return self
 
@@ -169,7 +169,7 @@ class SelfSupervisionTask(ClassyTask):
             log.info("%s data: %d samples, %d batches per rank", split.lower(), len(self.datasets[split]), self.batches_per_phase[split])
         model = build_model(cfg.MODEL, cfg.OPTIMIZER)
         if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN and self.world_size > 1:
-            model = convert_sync_batchnorm(model, cfg.MODEL.SYNC_BN_CONFIG)
+            model = convert_sync_batchnorm(model, cfg.MODEL.SYNC_BN_CONFIG, cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
         self.base_model = model.to(self.device)
         self.model = self.base_model
         self.loss = build_loss(cfg.LOSS).to(self.device)
@@ -323,6 +323,16 @@ class SelfSupervisionTask(ClassyTask):
         else:
             m.load_state_dict(state["model"]["trunk"])
 
+    def _hook_keys(self) -> List[Any]:
+        """(key, hook) pairs: the class name, with '#k' for the k-th repeat of a class."""
+        seen: Dict[str, int] = {}
+        out = []
+        for h in self.hooks:
+            name = type(h).__name__
+            seen[name] = seen.get(name, 0) + 1
+            out.append((name if seen[name] == 1 else f"{name}#{seen[name] - 1}", h))
+        return out
+
     def get_classy_state(self, deep_copy: bool = False) -> Dict[str, Any]:
         """Everything a resumed run needs to continue bit for bit."""
         rng = du.all_gather_object(get_rng_state())
@@ -339,7 +349,7 @@ class SelfSupervisionTask(ClassyTask):
             "loss": self.loss.state_dict() if self.loss is not None else {},
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "meters": [m.get_classy_state() for m in self.meters],
-            "hooks": {type(h).__name__: h.get_classy_state() for h in self.hooks},
+            "hooks": {key: h.get_classy_state() for key, h in self._hook_keys()},
             "amp": self.grad_scaler.state_dict() if self.grad_scaler is not None else {},
             "rng": rng,
             "world_size": self.world_size,
@@ -365,9 +375,9 @@ class SelfSupervisionTask(ClassyTask):
         for m, s in zip(self.meters, state.get("meters", [])):
             m.set_classy_state(s)
         hook_states = state.get("hooks", {})
-        for h in self.hooks:
-            if type(h).__name__ in hook_states:
-                h.set_classy_state(hook_states[type(h).__name__])
+        for key, h in self._hook_keys():
+            if key in hook_states:
+                h.set_classy_state(hook_states[key])
         if self.grad_scaler is not None and state.get("amp"):
             self.grad_scaler.load_state_dict(state["amp"])
         self.phase_idx = state["phase_idx"]

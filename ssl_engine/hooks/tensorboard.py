@@ -1,0 +1,131 @@
+"""TensorBoard output (HOOKS.TENSORBOARD_SETUP): a Writer for the PeriodicWriterHook and the
+MetricsHook, and a hook that writes parameter / gradient histograms every N iterations.
+
+Events go to ``CHECKPOINT.DIR/tb_logs`` (or ``LOG_DIR/EXPERIMENT_LOG_DIR/tb_logs`` when
+``LOG_DIR`` is set). Only rank 0 writes. Scalars, at the global iteration as step:
+
+- ``Training/{loss, avg_loss, lr, data_time, batch_time, samples_per_sec, peak_mem_mb}``
+  every LOG_FREQUENCY iterations (``Testing/...`` for test phases when those are logged);
+- ``Phase/{train|test}_{meter}/...`` and ``Phase/{train|test}_loss`` at each phase end.
+"""
+
+import logging
+from pathlib import Path
+from typing import Any, Dict
+
+from ssl_engine import distributed as du
+from ssl_engine.hooks.base import Priority, SSLHook
+from ssl_engine.hooks.metrics_hook import flatten_metrics
+from ssl_engine.hooks.periodic_writer import Writer
+from ssl_engine.registry import HOOKS
+
+log = logging.getLogger(__name__)
+
+_ITER_SCALARS = ("loss", "avg_loss", "lr", "data_time", "batch_time", "samples_per_sec", "peak_mem_mb")
+_RECORD_COUNTERS = ("iteration", "phase_idx", "train_phase_idx")
+
+
+def tensorboard_dir(cfg: Any) -> Path:
+    """Where the events of a run go (see the module docstring)."""
+    tb = cfg.HOOKS.TENSORBOARD_SETUP
+    if str(tb.LOG_DIR) in ("", "."):
+        return Path(cfg.CHECKPOINT.DIR) / "tb_logs"
+    return Path(str(tb.LOG_DIR)).expanduser() / str(tb.EXPERIMENT_LOG_DIR) / "tb_logs"
+
+
+class TensorboardWriter(Writer):
+    """Scalars into one SummaryWriter, created on the first write (rank 0 only writes)."""
+
+    def __init__(self, log_dir: Path, flush_secs: int = 300) -> None:
+        self.log_dir = Path(log_dir)
+        self.flush_secs = int(flush_secs)
+        self._writer: Any = None
+
+    @property
+    def summary_writer(self) -> Any:
+        """The torch SummaryWriter (opened, or reopened after close, on first use)."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self.flush_secs)
+        return self._writer
+
+    def write(self, stats: Dict[str, Any]) -> None:
+        group = "Training" if stats.get("phase_type", "train") == "train" else "Testing"
+        step = int(stats["iteration"])
+        w = self.summary_writer
+        for key in _ITER_SCALARS:
+            if key in stats:
+                w.add_scalar(f"{group}/{key}", float(stats[key]), global_step=step)
+
+    def write_phase(self, record: Dict[str, Any]) -> None:
+        step = int(record.get("iteration", 0))
+        w = self.summary_writer
+        values = {k: v for k, v in record.items() if k not in _RECORD_COUNTERS}
+        for key, value in flatten_metrics(values).items():
+            w.add_scalar(f"Phase/{key}", value, global_step=step)
+        w.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+@HOOKS.register("TensorboardParamsHook")
+class TensorboardParamsHook(SSLHook):
+    """Histograms of the weights (LOG_PARAMS) and of their gradients (LOG_PARAMS_GRADIENTS)
+    at the first train iteration and every LOG_PARAMS_EVERY_N_ITERS iterations."""
+
+    priority = Priority.LOW
+
+    def __init__(self, writer: TensorboardWriter, every_n_iters: int = 310, params: bool = True,
+                 gradients: bool = True) -> None:
+        super().__init__()
+        self.writer = writer
+        self.every_n_iters = max(1, int(every_n_iters))
+        self.params = params
+        self.gradients = gradients
+
+    def _due(self, task: Any) -> bool:
+        return task.train and du.is_primary() and task.iteration % self.every_n_iters == 0
+
+    def on_backward(self, task: Any) -> None:
+        # gradients exist only between backward and the optimizer's zero_grad
+        if self.gradients and self._due(task):
+            w = self.writer.summary_writer
+            for name, p in task.base_model.named_parameters():
+                if p.grad is not None:
+                    w.add_histogram(f"Gradients/{name}", p.grad.detach().float().cpu(), global_step=task.iteration)
+
+    def on_step(self, task: Any) -> None:
+        # task.iteration already counts this step: step s = iteration - 1, the weights after its update
+        step = task.iteration - 1
+        if self.params and task.train and du.is_primary() and step % self.every_n_iters == 0:
+            w = self.writer.summary_writer
+            for name, p in task.base_model.named_parameters():
+                w.add_histogram(f"Parameters/{name}", p.detach().float().cpu(), global_step=step)
+
+
+def read_scalars(log_dir: Path) -> Dict[str, list]:
+    """{tag: [(step, value), ...]} of the events under ``log_dir`` (for tests and tools)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: Dict[str, list] = {}
+    for events in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+
+def find_tensorboard_writer(task: Any) -> Any:
+    """The TensorboardWriter of a run, if one of its hooks writes through one (else None)."""
+    for hook in getattr(task, "hooks", []):
+        for w in getattr(hook, "writers", []) or []:
+            if isinstance(w, TensorboardWriter):
+                return w
+    return None

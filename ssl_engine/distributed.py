@@ -71,9 +71,16 @@ def device_for(device: str, local_rank: int) -> torch.device:
 
 
 def init_process_group(info: RankInfo, timeout_minutes: float) -> None:
-    """Join the job's process group (nothing to do for a one-process run)."""
+    """Join the job's process group (nothing to do for a one-process run).
+
+    With nccl the rank's GPU (cuda:<local_rank>) is made current first, so that NCCL's
+    communicators and every later ``.cuda()`` land on it. ``timeout_minutes`` bounds how
+    long a collective waits for a rank that never arrives.
+    """
     if info.world_size <= 1 or dist.is_initialized():
         return
+    if info.backend == "nccl":
+        torch.cuda.set_device(info.local_rank)
     dist.init_process_group(
         backend=info.backend,
         init_method=info.init_method,

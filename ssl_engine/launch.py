@@ -1,21 +1,30 @@
 """Start the processes of a run: in-process, N ranks on this node, a node of a multi-node
-job, under torchrun (env://), or a SLURM job through submitit.
+job, under torchrun (env://), or a SLURM job through submitit (ssl_engine.slurm).
 
-Ranks fail together: when a rank raises, the launcher ends the others within seconds,
-exits non-zero and shows the failing rank's traceback with its rank number.
+Ranks fail together: when a rank raises, the launcher asks the others to stop (SIGINT,
+then SIGKILL after KILL_GRACE_SECONDS), exits non-zero and shows the traceback of the rank
+that failed first, with its rank number. Spawned ranks die with their launcher, and the
+temporary files of killed ranks are removed from the checkpoint folder.
+
+SIGTERM and SIGUSR1 are the engine's preemption signals (ssl_engine.preemption): the
+launcher forwards them to its ranks, which write a checkpoint and exit with
+PREEMPTED_EXIT_CODE; they are never used to end a failed job's survivors.
 """
 
+import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo, env_rank_info
@@ -23,200 +32,463 @@ from ssl_engine.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, ConfigE
 
 log = logging.getLogger(__name__)
 
-KILL_GRACE_SECONDS = 10.0
+KILL_GRACE_SECONDS = 10.0  # after SIGINT, survivors of a failed rank get this long before SIGKILL
+INTERRUPTED_EXIT_CODE = 130  # a rank stopped by Ctrl-C / SIGINT (the shell's convention)
+_SPAWNED_ENV = "SSL_ENGINE_SPAWNED"  # set in ranks we start, so they never think they run under torchrun
+# Held back while ranks start (the mask is inherited), released once a rank routes them to its
+# preemption flag: a preemption signal in a rank's first seconds must not kill it.
+_PREEMPTION_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
 
 
 def find_free_port() -> int:
+    """A TCP port nobody listens on right now, on localhost."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def backend_for(cfg: AttrDict) -> str:
+    """nccl on GPUs, gloo on CPUs (DISTRIBUTED.BACKEND is only a hint, the device decides)."""
     return "nccl" if cfg.MACHINE.DEVICE == "gpu" else "gloo"
 
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and "SSL_ENGINE_SPAWNED" not in os.environ
+    """True in a process that torchrun (or another env:// launcher) started."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and _SPAWNED_ENV not in os.environ
 
 
 def check_devices(cfg: AttrDict) -> None:
-    """On gpu, CUDA must be there with a GPU per local rank."""
+    """Fail before any process starts when the machine cannot run the config."""
+    world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
     if cfg.MACHINE.DEVICE != "gpu":
+        if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN and (world > 1 or under_torchrun()):
+            raise ConfigError(
+                "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true needs GPUs (torch's SyncBatchNorm has no CPU "
+                "version); set it to false with config.MACHINE.DEVICE=cpu"
+            )
         return
     import torch
 
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
+    n = torch.cuda.device_count()  # NVML-based: unlike is_available(), it does not poison fork for the ranks
+    if n == 0 and not cfg.SLURM.USE_SLURM:
         raise ConfigError("config.MACHINE.DEVICE=gpu but no CUDA device is available; set config.MACHINE.DEVICE=cpu")
-    if cfg.DISTRIBUTED.NUM_PROC_PER_NODE > n and not under_torchrun():
+    if 0 < n < cfg.DISTRIBUTED.NUM_PROC_PER_NODE and not under_torchrun() and not cfg.SLURM.USE_SLURM:
         raise ConfigError(
             f"config.DISTRIBUTED.NUM_PROC_PER_NODE={cfg.DISTRIBUTED.NUM_PROC_PER_NODE} but this machine has {n} GPU(s); "
             f"use at most {n} ranks per node"
         )
 
 
-def init_method_for(cfg: AttrDict, node_id: int) -> str:
+def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
+    """The rendezvous URL of the ranks, and a temporary folder to remove at the end (or None)."""
     d = cfg.DISTRIBUTED
     if d.INIT_METHOD == "env":
-        return "env://"
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ConfigError(
+                f"config.DISTRIBUTED.INIT_METHOD=env needs {' and '.join(missing)} in the environment (torchrun sets "
+                "them); use INIT_METHOD=tcp with RUN_ID=host:port, or launch with torchrun"
+            )
+        return "env://", None
     if d.INIT_METHOD == "file":
-        path = d.RUN_ID if d.RUN_ID != "auto" else os.path.join(tempfile.mkdtemp(prefix="ssl_engine_rdzv_"), "rdzv")
-        return f"file://{os.path.abspath(path)}"
+        if d.RUN_ID == "auto":
+            if d.NUM_NODES > 1:
+                raise ConfigError(
+                    "config.DISTRIBUTED.INIT_METHOD=file with NUM_NODES > 1 needs config.DISTRIBUTED.RUN_ID set to "
+                    "a file path on a file system every node shares"
+                )
+            folder = tempfile.mkdtemp(prefix="ssl_engine_rdzv_")
+            return f"file://{os.path.join(folder, 'rendezvous')}", folder
+        return f"file://{os.path.abspath(str(d.RUN_ID))}", None
     if d.RUN_ID == "auto":
         if d.NUM_NODES > 1:
             raise ConfigError(
                 "config.DISTRIBUTED.RUN_ID must be host:port of node 0 when NUM_NODES > 1 "
                 "(e.g. config.DISTRIBUTED.RUN_ID=10.0.0.1:29500), the same on every node"
             )
-        return f"tcp://127.0.0.1:{find_free_port()}"
-    if ":" not in str(d.RUN_ID):
-        raise ConfigError(f"config.DISTRIBUTED.RUN_ID={d.RUN_ID!r} is not host:port")
-    return f"tcp://{d.RUN_ID}"
+        return f"tcp://127.0.0.1:{find_free_port()}", None
+    host, _, port = str(d.RUN_ID).rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"config.DISTRIBUTED.RUN_ID={d.RUN_ID!r} is not host:port (e.g. 10.0.0.1:29500)")
+    return f"tcp://{d.RUN_ID}", None
 
 
-def _child(cfg: AttrDict, info: RankInfo, error_dir: str) -> None:
+# ---------------------------------------------------------------------------- one rank
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so no rank outlives a killed launcher."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _route_preemption_signals() -> None:
+    """Preemption signals set the flag from the very start of the rank (not only once training runs)."""
+    from ssl_engine import preemption
+
+    preemption.install()
+    usr = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2") if "SUBMITIT_EXECUTOR" in os.environ else ""
+    sig = getattr(signal, f"SIG{usr}", None) if usr else None
+    if sig is not None and sig not in (signal.SIGTERM, signal.SIGUSR1):
+        # SLURM sends submitit's time-limit signal to every process of the job step
+        signal.signal(sig, lambda signum, frame: preemption.request())
+
+
+def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid: int) -> None:
     """Body of a spawned rank: run, and on failure leave the traceback in error_dir."""
-    os.environ["SSL_ENGINE_SPAWNED"] = "1"
+    _die_with_parent()
+    if os.getppid() != parent_pid and cfg.MULTI_PROCESSING_METHOD != "forkserver":
+        os._exit(1)  # the launcher died before we could ask to die with it
+    try:
+        os.setpgrp()  # the rank and its dataloader workers form one group the launcher can end at once
+    except OSError:
+        pass
+    os.environ.update(
+        {
+            _SPAWNED_ENV: "1",
+            "RANK": str(info.rank),
+            "LOCAL_RANK": str(info.local_rank),
+            "WORLD_SIZE": str(info.world_size),
+            "LOCAL_WORLD_SIZE": str(nproc),
+        }
+    )
+    _route_preemption_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
     code = 0
     try:
         from ssl_engine.engines import run_engine
 
         run_engine(cfg, info)
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short
         from ssl_engine.preemption import Preempted
 
         if isinstance(e, Preempted):
-            code = PREEMPTED_EXIT_CODE
-            text = str(e)
+            code, text = PREEMPTED_EXIT_CODE, str(e)
         elif isinstance(e, UserError):
-            code = USER_ERROR_EXIT_CODE
-            text = str(e)
+            code, text = USER_ERROR_EXIT_CODE, str(e)
+        elif isinstance(e, KeyboardInterrupt):
+            code, text = INTERRUPTED_EXIT_CODE, "interrupted"
+        elif isinstance(e, SystemExit) and e.code in (0, None):
+            code, text = 0, ""
         else:
-            code = 1
+            code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code > 0 else 1
             text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        try:
-            Path(error_dir, f"rank{info.rank}.err").write_text(f"{time.time()}\n{text}")
-        except OSError:
-            pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _cleanup_temp_files(folder: str, pids: List[int]) -> None:
-    """Remove temporary files that killed ranks may have left in the checkpoint folder."""
-    p = Path(folder)
-    if not p.is_dir():
-        return
-    for f in p.iterdir():
-        if f.name.startswith(".") and ".tmp." in f.name and any(f.name.endswith(f".tmp.{pid}") for pid in pids):
+        if code:
             try:
-                f.unlink()
+                Path(error_dir, f"rank{info.rank}.err").write_text(f"{time.time()!r}\n{code}\n{text}")
             except OSError:
                 pass
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+# ---------------------------------------------------------------------------- the ranks of one node
+
+
+class RankGroup:
+    """The NUM_PROC_PER_NODE ranks of this node: start them, watch them, end them together.
+
+    ``run()`` starts the ranks and returns the node's exit code. ``stop_for_preemption()``
+    may be called from a signal handler while ``run()`` waits (ssl_engine.slurm does so when
+    submitit asks the job to checkpoint): the ranks write a checkpoint and exit.
+    """
+
+    def __init__(self, cfg: AttrDict, node_id: int = 0) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.nproc = cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+        self.world = self.nproc * cfg.DISTRIBUTED.NUM_NODES
+        self.procs: List[Any] = []
+        self.cause: Optional[int] = None  # index of the rank whose failure ended the job
+        self._signalled_at: Optional[float] = None
+        self._error_dir = ""
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start the ranks, wait for all of them, and return the exit code of the node."""
+        init_method, rdzv_dir = init_method_for(self.cfg)
+        self._error_dir = tempfile.mkdtemp(prefix="ssl_engine_err_")
+        forwarded: Dict[int, Any] = {}
+
+        def forward(signum: int, frame: Any) -> None:  # preemption and Ctrl-C reach every rank
+            self.send(signum)
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        try:
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
+            try:
+                self._start(init_method)
+                for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) if main_thread else ():
+                    forwarded[sig] = signal.signal(sig, forward)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            self._wait()
+            return self._report()
+        finally:
+            for sig, old in forwarded.items():
+                signal.signal(sig, old)
+            self._kill_alive()
+            self._end_leftovers()
+            self._cleanup(rdzv_dir)
+
+    def _start(self, init_method: str) -> None:
+        ctx = mp.get_context(self.cfg.MULTI_PROCESSING_METHOD)
+        backend = backend_for(self.cfg)
+        for local_rank in range(self.nproc):
+            info = RankInfo(self.node_id * self.nproc + local_rank, local_rank, self.world, init_method, backend)
+            p = ctx.Process(
+                target=_child,
+                args=(self.cfg, info, self.nproc, self._error_dir, os.getpid()),
+                name=f"rank{info.rank}",
+                daemon=False,  # ranks start their own dataloader workers
+            )
+            p.start()
+            self.procs.append(p)
+        log.info("started %d rank(s) of %d (node %d) with %s", self.nproc, self.world, self.node_id, init_method)
+
+    def alive(self) -> List[Any]:
+        return [p for p in self.procs if p.exitcode is None and p.is_alive()]
+
+    def send(self, signum: int) -> None:
+        """Send ``signum`` to every rank still running."""
+        for p in self.alive():
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _wait(self) -> None:
+        """Poll until every rank has ended; on the first failure stop the others."""
+        while True:
+            alive = self.alive()
+            if self.cause is None:
+                failed = [i for i, p in enumerate(self.procs) if p.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)]
+                if failed:
+                    self.cause = self._first_failure(failed)
+                    self._signalled_at = time.monotonic()
+                    self.send(signal.SIGINT)  # unwinds python in the survivors; a rank blocked in C gets SIGKILL
+            elif alive and time.monotonic() - self._signalled_at > KILL_GRACE_SECONDS:
+                self._kill_alive()
+            if not alive:
+                break
+            time.sleep(0.05)
+        for p in self.procs:
+            p.join()
+
+    def _first_failure(self, failed: List[int]) -> int:
+        """Among ranks seen failed in the same poll, the one that failed first.
+
+        A rank killed from outside (no error file, e.g. by the OOM killer) comes first: the
+        others' errors (a peer closed the connection) are its consequence.
+        """
+        stamps = {i: self._read_error(i)[0] for i in failed}
+        return min(failed, key=lambda i: (stamps[i] is not None, stamps[i] or 0.0, i))
+
+    def stop_for_preemption(self, timeout_s: float) -> bool:
+        """Ask the ranks to checkpoint and stop (SIGUSR1), wait up to ``timeout_s``; True if they all ended."""
+        if not self.procs:
+            return True
+        self.send(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not self.alive()
+
+    def _kill_alive(self) -> None:
+        for p in self.alive():
+            _kill_group(p.pid)
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def _end_leftovers(self) -> None:
+        """SIGKILL what is left of each rank's process group (dataloader workers of a rank that
+        ended without shutting them down); they would otherwise linger until their watchdog fires."""
+        for p in self.procs:
+            if p.pid:
+                _kill_group(p.pid, only_group=True)
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def _read_error(self, index: int) -> Tuple[Optional[float], int, str]:
+        """(time, exit code, text) a rank left in its error file, or (None, 0, '')."""
+        rank = self.node_id * self.nproc + index
+        f = Path(self._error_dir, f"rank{rank}.err")
+        try:
+            stamp, code, text = f.read_text().split("\n", 2)
+            return float(stamp), int(code), text
+        except (OSError, ValueError):
+            return None, 0, ""
+
+    def _report(self) -> int:
+        """The node's exit code; prints the failing rank's traceback (or raises its UserError)."""
+        codes = [p.exitcode for p in self.procs]
+        if self.cause is None:
+            if all(c == 0 for c in codes):
+                return 0
+            if all(c in (0, PREEMPTED_EXIT_CODE) for c in codes):
+                _, _, text = next(self._read_error(i) for i, c in enumerate(codes) if c == PREEMPTED_EXIT_CODE)
+                log.warning("%s", text.strip() or "stopped on a preemption signal")
+                return PREEMPTED_EXIT_CODE
+        index = self.cause if self.cause is not None else next(i for i, c in enumerate(codes) if c != 0)
+        rank = self.node_id * self.nproc + index
+        _, code, text = self._read_error(index)
+        exitcode = codes[index]
+        if exitcode == USER_ERROR_EXIT_CODE and text:
+            raise UserError(f"rank {rank}: {text.strip()}" if self.world > 1 else text.strip())
+        if exitcode == INTERRUPTED_EXIT_CODE:
+            sys.stderr.write("interrupted\n")
+            return INTERRUPTED_EXIT_CODE
+        if text:
+            sys.stderr.write(f"rank {rank} failed first (exit code {exitcode}):\n{text.rstrip()}\n")
+            return exitcode if exitcode and exitcode > 0 else 1
+        if exitcode is not None and exitcode < 0:
+            name = signal.Signals(-exitcode).name
+            hint = " (out of memory?)" if -exitcode == signal.SIGKILL else ""
+            sys.stderr.write(f"rank {rank} was killed by {name}{hint}; the other ranks were stopped\n")
+        else:
+            sys.stderr.write(f"rank {rank} ended with exit code {exitcode}; the other ranks were stopped\n")
+        return 1
+
+    def _cleanup(self, rdzv_dir: Optional[str]) -> None:
+        pids = [p.pid for p in self.procs if p.pid]
+        folder = Path(str(self.cfg.CHECKPOINT.DIR))
+        remove_temp_files_of(folder, pids)
+        release_lock_of(folder, pids)
+        for folder in (self._error_dir, rdzv_dir):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _kill_group(pid: int, only_group: bool = False) -> None:
+    """SIGKILL the process group a rank leads (the rank and its workers), else the rank alone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass
+    if not only_group:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def remove_temp_files_of(folder: Path, pids: List[int]) -> List[str]:
+    """Remove the temporary files (``.<name>.tmp.<pid>``, see ssl_engine.checkpoint.atomic_write)
+    that the ranks ``pids`` left in ``folder`` when they were killed mid-write.
+
+    Only our own ranks' files: on a shared folder another node's writer may be at work.
+    """
+    removed: List[str] = []
+    suffixes = tuple(f".tmp.{pid}" for pid in pids)
+    if not suffixes or not folder.is_dir():
+        return removed
+    for f in folder.iterdir():
+        if f.name.startswith(".") and f.name.endswith(suffixes):
+            try:
+                f.unlink()
+                removed.append(f.name)
+            except OSError:
+                pass
+    return removed
+
+
+def release_lock_of(folder: Path, pids: List[int]) -> bool:
+    """Remove the checkpoint folder's lock (ssl_engine.lock) when one of our killed ranks held it."""
+    from ssl_engine.lock import lock_path
+
+    path = lock_path(folder)
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or owner.get("pid") not in pids:
+        return False
+    try:
+        os.kill(int(owner["pid"]), 0)
+        return False  # still running (cannot happen once we waited for our ranks)
+    except ProcessLookupError:
+        pass
+    try:
+        path.unlink()
+    except OSError:
+        return False
+    return True
 
 
 def spawn_ranks(cfg: AttrDict, node_id: int = 0) -> int:
-    """Start NUM_PROC_PER_NODE ranks of this node and wait; returns the job's exit code."""
-    nproc = cfg.DISTRIBUTED.NUM_PROC_PER_NODE
-    world = nproc * cfg.DISTRIBUTED.NUM_NODES
-    init_method = init_method_for(cfg, node_id)
-    ctx = mp.get_context(cfg.MULTI_PROCESSING_METHOD)
-    error_dir = tempfile.mkdtemp(prefix="ssl_engine_err_")
-    procs = []
-    for local_rank in range(nproc):
-        info = RankInfo(node_id * nproc + local_rank, local_rank, world, init_method, backend_for(cfg))
-        p = ctx.Process(target=_child, args=(cfg, info, error_dir), name=f"rank{info.rank}", daemon=False)
-        p.start()
-        procs.append(p)
-    log.info("started %d ranks of %d (node %d) with %s", nproc, world, node_id, init_method)
-    forwarded = {}
-
-    def forward(signum: int, frame: Any) -> None:  # preemption and Ctrl-C reach every rank
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signum)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        forwarded[sig] = signal.signal(sig, forward)
-    try:
-        return _wait(procs, error_dir)
-    finally:
-        for sig, old in forwarded.items():
-            signal.signal(sig, old)
-        _cleanup_temp_files(str(cfg.CHECKPOINT.DIR), [p.pid for p in procs])
-        for f in Path(error_dir).iterdir():
-            f.unlink()
-        os.rmdir(error_dir)
+    """Start NUM_PROC_PER_NODE ranks of node ``node_id`` and wait; returns the node's exit code."""
+    return RankGroup(cfg, node_id).run()
 
 
-def _wait(procs: List[Any], error_dir: str) -> int:
-    failed_at: Optional[float] = None
-    while True:
-        alive = [p for p in procs if p.is_alive()]
-        codes = [p.exitcode for p in procs if not p.is_alive()]
-        bad = [c for c in codes if c not in (0, None)]
-        if bad and failed_at is None:
-            failed_at = time.time()
-            for p in alive:  # ask the others to stop: SIGINT unwinds python cleanly
-                os.kill(p.pid, signal.SIGINT)
-        if failed_at is not None and alive and time.time() - failed_at > KILL_GRACE_SECONDS:
-            for p in alive:
-                p.kill()
-        if not alive:
-            break
-        time.sleep(0.05)
-    for p in procs:
-        p.join()
-    exit_codes = [p.exitcode for p in procs]
-    if all(c == 0 for c in exit_codes):
-        return 0
-    errors = []
-    for f in Path(error_dir).glob("rank*.err"):
-        stamp, _, text = f.read_text().partition("\n")
-        errors.append((float(stamp), int(f.stem[4:]), text))
-    errors.sort()
-    first_code = next((c for c in exit_codes if c not in (0,)), 1)
-    if errors:
-        _, rank, text = errors[0]
-        code = [p.exitcode for p in procs][rank] if rank < len(procs) else first_code
-        if code == USER_ERROR_EXIT_CODE:
-            raise UserError(text.strip())
-        if code == PREEMPTED_EXIT_CODE:
-            log.warning("%s", text.strip())
-            return PREEMPTED_EXIT_CODE
-        sys.stderr.write(f"rank {rank} failed first:\n{text}\n")
-        return code if code and code > 0 else 1
-    killed = [(i, c) for i, c in enumerate(exit_codes) if c not in (0, None)]
-    sys.stderr.write(f"ranks ended abnormally: {', '.join(f'rank {i} exit {c}' for i, c in killed)}\n")
-    return 1
+# ---------------------------------------------------------------------------- entry point
 
 
 def launch(cfg: AttrDict, node_id: int = 0) -> int:
     """Run ``cfg`` as asked by its DISTRIBUTED / SLURM settings; returns the exit code."""
-    from ssl_engine.engines import run_engine
-    from ssl_engine.preemption import Preempted
-
     check_devices(cfg)
     if cfg.SLURM.USE_SLURM:
         from ssl_engine.slurm import submit
 
         return submit(cfg)
     if under_torchrun():
-        info = env_rank_info()
-        info.backend = backend_for(cfg)
-        expected = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
-        if info.world_size != expected and info.rank == 0:
-            log.warning("torchrun's WORLD_SIZE=%d wins over the config's NUM_NODES*NUM_PROC_PER_NODE=%d",
-                        info.world_size, expected)
-        return _in_process(cfg, info)
+        return run_under_torchrun(cfg)
     world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
     if not 0 <= node_id < cfg.DISTRIBUTED.NUM_NODES:
-        raise ConfigError(f"node_id={node_id} is out of range for DISTRIBUTED.NUM_NODES={cfg.DISTRIBUTED.NUM_NODES}")
+        raise ConfigError(
+            f"node_id={node_id} is out of range for config.DISTRIBUTED.NUM_NODES={cfg.DISTRIBUTED.NUM_NODES} "
+            f"(valid: 0..{cfg.DISTRIBUTED.NUM_NODES - 1})"
+        )
     if world == 1:
         return _in_process(cfg, RankInfo(backend=backend_for(cfg)))
     return spawn_ranks(cfg, node_id)
+
+
+def run_under_torchrun(cfg: AttrDict) -> int:
+    """One rank that torchrun started: env:// rendezvous; torchrun's WORLD_SIZE wins over the config.
+
+    The config's NUM_NODES / NUM_PROC_PER_NODE are replaced by what torchrun set up (so the
+    saved train_config.yaml tells the truth), with a warning on rank 0 when they differ.
+    """
+    info = env_rank_info()
+    info.backend = backend_for(cfg)
+    d = cfg.DISTRIBUTED
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", d.NUM_PROC_PER_NODE))
+    nodes = max(1, info.world_size // max(1, local_world))
+    if (d.NUM_NODES, d.NUM_PROC_PER_NODE) != (nodes, local_world) and info.rank == 0:
+        log.warning(
+            "torchrun started %d rank(s) (%d node(s) x %d): its WORLD_SIZE=%d wins over the config's "
+            "DISTRIBUTED.NUM_NODES=%d x NUM_PROC_PER_NODE=%d",
+            info.world_size, nodes, local_world, info.world_size, d.NUM_NODES, d.NUM_PROC_PER_NODE,
+        )
+    d.NUM_NODES, d.NUM_PROC_PER_NODE, d.INIT_METHOD = nodes, local_world, "env"
+    if cfg.MACHINE.DEVICE == "gpu":
+        import torch
+
+        if info.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"torchrun's LOCAL_RANK={info.local_rank} has no GPU (this machine has {torch.cuda.device_count()}); "
+                "lower --nproc_per_node"
+            )
+    try:
+        return _in_process(cfg, info)
+    except Exception as e:
+        # torchrun's summary shows the traceback of the rank that failed first
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        if not isinstance(e, UserError):
+            ErrorHandler().record_exception(e)
+        raise
 
 
 def _in_process(cfg: AttrDict, info: RankInfo) -> int:

@@ -29,6 +29,7 @@ from ssl_engine.data.sources import (
     normalize_paths,
     source_path,
 )
+from ssl_engine.data.sampler import is_padded
 from ssl_engine.data.transforms import SSLTransformsWrapper, build_transforms
 from ssl_engine.errors import UserError, did_you_mean
 from ssl_engine.registry import DATA_SOURCES
@@ -187,10 +188,13 @@ class SSLDataset(Dataset):
         if used != idx:
             self.num_skipped += 1
         k = len(images)
+        # 1: the sample itself; -1: an unreadable image replaced by the next readable one;
+        # 0: a repeat the sampler added to even out the ranks' shares (not counted by meters).
+        valid = 0 if is_padded(key) else (1 if used == idx else -1)
         sample: Dict[str, Any] = {
             "data": images,
             "label": self._labels_for(idx, used),
-            "data_valid": [1 if used == idx else -1] * k,
+            "data_valid": [valid] * k,
             "data_idx": [idx] * k,
         }
         with seeded_rng(sample_seed(self.seed, epoch, idx)):

@@ -7,7 +7,7 @@ TRAINER.GRAD_ACCUMULATION_STEPS batches, gradient clipping, and a non-finite los
 
 import contextlib
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -30,6 +30,34 @@ def _single(x: Any) -> Any:
     return x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x
 
 
+def valid_rows(batch: Any) -> Optional[torch.Tensor]:
+    """Boolean mask of the batch rows that are real samples, or None when all are (or unknown).
+
+    Rows with ``data_valid <= 0`` are repeats: padding the sampler added to even out the
+    ranks' shares (0) or replacements of unreadable images (-1). Meters and the logged loss
+    leave them out so that a phase's values do not depend on the number of ranks.
+    """
+    flags = batch.get("data_valid") if isinstance(batch, dict) else None
+    if isinstance(flags, (list, tuple)):  # one entry per data source or view; all mark the same rows
+        flags = flags[0] if flags else None
+    if not isinstance(flags, torch.Tensor) or flags.ndim != 1:
+        return None
+    mask = flags > 0
+    return None if bool(mask.all()) else mask
+
+
+def _rows(x: Any, mask: torch.Tensor) -> Any:
+    """``x`` (a tensor or list of tensors with one row per sample) restricted to ``mask``."""
+    if isinstance(x, torch.Tensor):
+        return x[mask.to(x.device)]
+    return type(x)(t[mask.to(t.device)] for t in x)
+
+
+def _rows_match(x: Any, n: int) -> bool:
+    items = [x] if isinstance(x, torch.Tensor) else list(x) if isinstance(x, (list, tuple)) else []
+    return bool(items) and all(isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == n for t in items)
+
+
 def check_finite_loss(task: Any, loss: torch.Tensor) -> None:
     """Stop the run on a NaN/inf loss, naming iteration and phase (HOOKS.CHECK_NAN)."""
     if not bool(torch.isfinite(loss).all()):
@@ -48,6 +76,7 @@ def standard_train_step(task: Any) -> None:
     task.last_data_time = time.perf_counter() - t0
     cfg = task.config
     non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
+    valid = valid_rows(batch)  # on the host batch: no device sync
     batch = to_device(batch, task.device, non_blocking)
     task.last_batch = batch
     inputs, target = _single(batch["data"]), _single(batch["label"])
@@ -58,19 +87,29 @@ def standard_train_step(task: Any) -> None:
     if task.train and not is_update_step and hasattr(task.model, "no_sync"):
         sync_ctx = task.model.no_sync()
 
+    # Padded rows (see valid_rows) are left out of meters, and out of the loss of test phases,
+    # when the outputs and target have one row per sample; train phases still train on them.
     with sync_ctx:
         with torch.set_grad_enabled(task.train), task.autocast():
             output = task.model(inputs)
             task.last_model_output = output
             task.run_hooks("on_forward")
-            loss = task.loss(output, target)
+            per_row = valid is not None and _rows_match(output, valid.numel()) and _rows_match(target, valid.numel())
+            if per_row and not task.train and bool(valid.any()):
+                loss = task.loss(_rows(output, valid), _rows(target, valid))
+            else:
+                loss = task.loss(output, target)
         if cfg.HOOKS.CHECK_NAN:
             check_finite_loss(task, loss)
         task.last_loss = loss.detach()
         if task.meters and (not task.train or cfg.METERS.enable_training_meter):
             detached = [o.detach().float() for o in output] if isinstance(output, (list, tuple)) else output.detach().float()
-            for meter in task.meters:
-                meter.update(detached, target.detach() if isinstance(target, torch.Tensor) else target)
+            tgt = target.detach() if isinstance(target, torch.Tensor) else target
+            if per_row:
+                detached, tgt = _rows(detached, valid), _rows(tgt, valid)
+            if not per_row or bool(valid.any()):
+                for meter in task.meters:
+                    meter.update(detached, tgt)
         task.run_hooks("on_loss_and_meter")
 
         if task.train:

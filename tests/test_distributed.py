@@ -1,0 +1,399 @@
+"""Distributed runs through the real tool: spawned gloo ranks, torchrun, two "nodes" on one
+machine, ranks that fail together, and the sampler padding that keeps metrics exact.
+
+Every multi-process test compares with a one-process run over the same global batch: an
+mlp trunk without BatchNorm makes the two computations the same up to float rounding.
+"""
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from conftest import REPO, TOOL, run_tool, tool_env
+from ssl_engine.config import compose
+from ssl_engine.data.sampler import PaddedIndex, StatefulDistributedSampler, is_padded
+from ssl_engine.errors import ConfigError
+from ssl_engine.launch import find_free_port, init_method_for, remove_temp_files_of
+from ssl_engine.train_steps.standard_train_step import valid_rows
+
+# A supervised run whose 1-rank and N-rank computations agree: no BatchNorm, TRAIN data a
+# multiple of the global batch (64), TEST data (201) that does not divide among 2 ranks and
+# spans several test batches, so padding and per-batch weighting both matter.
+SUPERVISED = [
+    "config=quick/supervised_digits",
+    "config.OPTIMIZER.num_epochs=2",
+    "config.MODEL.TRUNK.NAME=mlp",
+    "config.MODEL.TRUNK.MLP.DIMS=[3072,32]",
+    "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[32,10]}]]",
+    "config.DATA.TRAIN.DATA_LIMIT=256",
+    "config.DATA.TEST.DATA_LIMIT=201",
+    "config.LOG_FREQUENCY=2",
+]
+
+
+def per_rank(world: int, train_batch: int = 64, test_batch: int = 64) -> List[str]:
+    """The same global batches split over ``world`` ranks."""
+    return [
+        f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}",
+        f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={train_batch // world}",
+        f"config.DATA.TEST.BATCHSIZE_PER_REPLICA={test_batch // world}",
+    ]
+
+
+def read_metrics(folder: Path) -> List[Dict[str, Any]]:
+    return [json.loads(line) for line in (folder / "metrics.json").read_text().splitlines()]
+
+
+def leaves(record: Any, prefix: str = "") -> Dict[str, float]:
+    if isinstance(record, dict):
+        out: Dict[str, float] = {}
+        for k, v in record.items():
+            out.update(leaves(v, f"{prefix}/{k}"))
+        return out
+    return {prefix: float(record)}
+
+
+def assert_same_metrics(a: List[Dict[str, Any]], b: List[Dict[str, Any]], rel: float = 1e-5) -> None:
+    """Every phase record of ``a`` and ``b`` has the same keys and values within float tolerance."""
+    assert [r["phase_idx"] for r in a] == [r["phase_idx"] for r in b]
+    for ra, rb in zip(a, b):
+        la, lb = leaves(ra), leaves(rb)
+        assert la.keys() == lb.keys()
+        for key in la:
+            assert la[key] == pytest.approx(lb[key], rel=rel, abs=1e-6), f"phase {ra['phase_idx']} {key}"
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def one_rank_metrics(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
+    """The reference: one process, global batch 64."""
+    folder = tmp_path_factory.mktemp("one_rank")
+    ok(run_tool(SUPERVISED + per_rank(1) + [f"config.CHECKPOINT.DIR={folder}"]))
+    records = read_metrics(folder)
+    assert [r["phase_idx"] for r in records] == [0, 1, 2, 3]
+    return records
+
+
+# ----------------------------------------------------------------------------- unit
+
+
+@pytest.mark.parametrize("n,world", [(201, 2), (200, 2), (7, 4), (1, 3), (10, 3)])
+def test_sampler_marks_padding_and_every_sample_is_real_once(n: int, world: int) -> None:
+    real: List[int] = []
+    lengths = set()
+    for rank in range(world):
+        s = StatefulDistributedSampler(n, num_replicas=world, rank=rank, shuffle=True, seed=3, batch_size=2)
+        s.set_epoch(1)
+        keys = list(s)
+        lengths.add(len(keys))
+        real += [k[1] for k in keys if not is_padded(k)]
+        s.set_start_iter(1)  # a resumed phase marks the same positions
+        assert [is_padded(k) for k in s] == [is_padded(k) for k in keys[2:]]
+    assert len(lengths) == 1  # equal steps on every rank
+    assert sorted(real) == list(range(n))
+    key = PaddedIndex(4, 9)
+    assert key == (4, 9) and tuple(key) == (4, 9)
+    assert is_padded(pickle.loads(pickle.dumps(key)))  # travels to dataloader workers as a padded key
+
+
+def test_valid_rows_masks_padded_and_replaced_samples() -> None:
+    assert valid_rows({"data_valid": [torch.tensor([1, 1, 1])]}) is None
+    mask = valid_rows({"data_valid": [torch.tensor([1, 0, -1, 1])]})
+    assert mask.tolist() == [True, False, False, True]
+    assert valid_rows({"data": [torch.zeros(2)]}) is None
+
+
+def test_init_method_checks() -> None:
+    cfg = compose(["config=quick/supervised_digits", "config.DISTRIBUTED.NUM_NODES=2"])
+    with pytest.raises(ConfigError, match="config.DISTRIBUTED.RUN_ID must be host:port"):
+        init_method_for(cfg)
+    cfg.DISTRIBUTED.RUN_ID = "nohostport"
+    with pytest.raises(ConfigError, match="is not host:port"):
+        init_method_for(cfg)
+    cfg.DISTRIBUTED.RUN_ID = "10.0.0.1:29500"
+    assert init_method_for(cfg) == ("tcp://10.0.0.1:29500", None)
+    cfg.DISTRIBUTED.INIT_METHOD, cfg.DISTRIBUTED.RUN_ID = "file", "auto"
+    with pytest.raises(ConfigError, match="shares"):
+        init_method_for(cfg)
+    cfg.DISTRIBUTED.NUM_NODES = 1
+    cfg.DISTRIBUTED.INIT_METHOD = "env"
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    with pytest.raises(ConfigError, match="MASTER_ADDR and MASTER_PORT"):
+        init_method_for(cfg)
+    cfg.DISTRIBUTED.INIT_METHOD = "file"
+    url, folder = init_method_for(cfg)
+    assert url.startswith("file://") and folder and Path(folder).is_dir()
+    os.rmdir(folder)
+
+
+def test_remove_temp_files_only_of_given_ranks(tmp_path: Path) -> None:
+    mine, other = tmp_path / ".model_phase0.torch.tmp.111", tmp_path / ".metrics.json.tmp.222"
+    mine.write_text("x")
+    other.write_text("x")
+    (tmp_path / "model_phase0.torch").write_text("x")
+    assert remove_temp_files_of(tmp_path, [111]) == [mine.name]
+    assert other.exists() and (tmp_path / "model_phase0.torch").exists()
+
+
+# ----------------------------------------------------------------------------- user errors
+
+
+def one_line_error(args: List[str], capsys: pytest.CaptureFixture) -> str:
+    """Run the command line in this process (the checks come before any process starts)."""
+    from ssl_engine.cli import main
+
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err, err
+    assert err[-1].startswith("error: ")
+    return err[-1]
+
+
+def test_several_nodes_without_run_id_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    line = one_line_error(SUPERVISED + [
+        "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=1", f"config.CHECKPOINT.DIR={tmp_path}",
+    ], capsys)
+    assert "config.DISTRIBUTED.RUN_ID" in line and "host:port" in line
+
+
+def test_sync_bn_on_cpu_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    line = one_line_error(SUPERVISED + per_rank(2) + [
+        "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true", f"config.CHECKPOINT.DIR={tmp_path}",
+    ], capsys)
+    assert "CONVERT_BN_TO_SYNC_BN" in line and "cpu" in line
+
+
+def test_node_id_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    line = one_line_error(SUPERVISED + [
+        "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
+        f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{find_free_port()}", "node_id=2", f"config.CHECKPOINT.DIR={tmp_path}",
+    ], capsys)
+    assert "node_id=2" in line and "NUM_NODES=2" in line
+
+
+# ----------------------------------------------------------------------------- equal results
+
+PROBE = '''
+import json, logging, os
+import torch
+import torch.distributed as dist
+from ssl_engine.hooks.base import SSLHook
+from ssl_engine.registry import HOOKS
+
+@HOOKS.register("RankProbe")
+class RankProbe(SSLHook):
+    """Rank 1 logs a warning; at the end rank 0 writes what every rank saw."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_start(self, task):
+        if task.rank == 1:
+            logging.getLogger("probe").warning("probe warning from rank 1")
+            logging.getLogger("probe").info("probe info from rank 1")
+        self.bn_before_forward = None
+        bns = [m for m in task.base_model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if bns:  # the running mean as the train forward sees it, after DDP's buffer broadcast
+            bns[0].register_forward_pre_hook(self._record)
+
+    def _record(self, module, inputs):
+        if module.training:
+            self.bn_before_forward = float(module.running_mean.double().sum())
+
+    def on_end(self, task):
+        m = task.base_model
+        seen = {
+            "rank": dist.get_rank(),
+            "world": dist.get_world_size(),
+            "env_rank": os.environ.get("RANK"),
+            "seed": torch.initial_seed(),
+            "broadcast_buffers": bool(getattr(task.model, "broadcast_buffers", None)),
+            "bn_before_forward": self.bn_before_forward,
+            "params": float(sum(p.double().sum() for p in m.parameters())),
+        }
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, seen)
+        if dist.get_rank() == 0:
+            open(self.out, "w").write(json.dumps(everyone))
+'''
+
+
+def probe_args(tmp_path: Path) -> List[str]:
+    (tmp_path / "probe.py").write_text(PROBE)
+    out = tmp_path / "probe.json"
+    return [
+        f"config.USER_MODULES=[{tmp_path / 'probe.py'}]",
+        f"config.HOOKS.CUSTOM=[{{name:RankProbe,params:{{out:{out}}}}}]",
+    ]
+
+
+def test_two_ranks_equal_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:
+    folder = tmp_path / "run"
+    proc = ok(run_tool(SUPERVISED + per_rank(2) + [f"config.CHECKPOINT.DIR={folder}"] + probe_args(tmp_path)))
+    assert_same_metrics(read_metrics(folder), one_rank_metrics)
+    # test phases: 201 samples counted once each (padding left out), not 202
+    test_top1 = [r["test_accuracy_list_meter"]["top_1"]["0"] for r in one_rank_metrics if "test_loss" in r]
+    assert all(abs(v * 201 / 100 - round(v * 201 / 100)) < 1e-3 for v in test_top1)
+    # only rank 0 writes; rank 1's warnings (not its info lines) still reach the console
+    assert "probe warning from rank 1" in proc.stderr and "[rank 1]" in proc.stderr
+    assert "probe info from rank 1" not in proc.stdout + proc.stderr
+    log_txt = (folder / "log.txt").read_text()
+    assert "probe warning from rank 1" not in log_txt and "[rank 1]" not in log_txt
+    lines = [json.loads(x) for x in (folder / "stdout.json").read_text().splitlines()]
+    assert len({l["iteration"] for l in lines if l["phase_type"] == "train"}) == len(
+        [l for l in lines if l["phase_type"] == "train"]), "a log line was written twice"
+    seen = json.loads((tmp_path / "probe.json").read_text())
+    assert [s["rank"] for s in seen] == [0, 1] and [s["env_rank"] for s in seen] == ["0", "1"]
+    assert [s["seed"] for s in seen] == [0, 1]  # SEED_VALUE (0) + rank
+    assert seen[0]["params"] == seen[1]["params"]  # DDP kept the replicas identical
+    assert not [p.name for p in folder.iterdir() if ".tmp." in p.name]
+
+
+def test_torchrun_equals_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:
+    """torchrun starts the ranks (env://); the config's NUM_PROC_PER_NODE=1 loses to WORLD_SIZE=2."""
+    folder = tmp_path / "run"
+    args = SUPERVISED + per_rank(2) + ["config.DISTRIBUTED.NUM_PROC_PER_NODE=1", f"config.CHECKPOINT.DIR={folder}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TOOL, *args],
+        cwd=str(REPO), env=tool_env(), capture_output=True, text=True, timeout=300,
+    )
+    ok(proc)
+    assert "WORLD_SIZE=2 wins over the config's DISTRIBUTED.NUM_NODES=1 x NUM_PROC_PER_NODE=1" in proc.stdout + proc.stderr
+    assert_same_metrics(read_metrics(folder), one_rank_metrics)
+    saved = (folder / "train_config.yaml").read_text()
+    assert "NUM_PROC_PER_NODE: 2" in saved
+
+
+def test_two_nodes_on_one_machine_equal_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:
+    folder = tmp_path / "run"
+    args = SUPERVISED + per_rank(2) + [
+        "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
+        f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{find_free_port()}", f"config.CHECKPOINT.DIR={folder}",
+    ]
+    nodes = [
+        subprocess.Popen([sys.executable, TOOL, *args, f"node_id={k}"], cwd=str(REPO), env=tool_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for k in (1, 0)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert_same_metrics(read_metrics(folder), one_rank_metrics)
+
+
+SIMCLR = [
+    "config=quick/simclr_synthetic",
+    "config.OPTIMIZER.num_epochs=2",
+    "config.MODEL.TRUNK.NAME=mlp",
+    "config.MODEL.TRUNK.MLP.DIMS=[3072,32]",
+    "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[32,32,16]}]]",
+    "config.LOSS.simclr_info_nce_loss.buffer_params.embedding_dim=16",
+    "config.DATA.TRAIN.DATA_LIMIT=32",
+]
+
+
+def test_simclr_two_ranks_see_every_negative(tmp_path: Path) -> None:
+    """Each rank's rows are compared with the embeddings of both ranks: the 2-rank loss (and the
+    gradients, hence the next steps) equal the 1-rank loss over the same 16 images per step."""
+    runs = {}
+    for world in (1, 2):
+        folder = tmp_path / f"w{world}"
+        ok(run_tool(SIMCLR + [
+            f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}", f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={16 // world}",
+            f"config.CHECKPOINT.DIR={folder}",
+        ]))
+        runs[world] = read_metrics(folder)
+    assert_same_metrics(runs[2], runs[1])
+    # with only local negatives (7 per row instead of 15) the loss would be clearly lower
+    assert runs[2][0]["train_loss"] > math.log(15) - 0.7
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_broadcast_buffers(tmp_path: Path, broadcast: bool) -> None:
+    """With BatchNorm, BROADCAST_BUFFERS keeps rank 0's running stats on every rank; without it
+    each rank keeps the statistics of its own half batch."""
+    args = SUPERVISED + per_rank(2) + probe_args(tmp_path) + [
+        "config.OPTIMIZER.num_epochs=1", "config.TEST_MODEL=false", "config.MODEL.TRUNK.MLP.USE_BN=true",
+        f"config.DISTRIBUTED.BROADCAST_BUFFERS={str(broadcast).lower()}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+    ]
+    ok(run_tool(args))
+    seen = json.loads((tmp_path / "probe.json").read_text())
+    assert [s["broadcast_buffers"] for s in seen] == [broadcast, broadcast]
+    assert seen[0]["bn_before_forward"] is not None
+    assert (seen[0]["bn_before_forward"] == seen[1]["bn_before_forward"]) is broadcast
+    assert seen[0]["params"] == seen[1]["params"]
+
+
+# ----------------------------------------------------------------------------- failing together
+
+FAILING = '''
+import os, signal, time
+from pathlib import Path
+import torch.distributed as dist
+from ssl_engine.registry import TRAIN_STEPS
+from ssl_engine.train_steps.standard_train_step import standard_train_step
+
+@TRAIN_STEPS.register("fail_on_rank1_step")
+def fail_on_rank1_step(task):
+    at = int(os.environ["FAIL_AT_ITER"])
+    if task.train and task.iteration == at:
+        if dist.get_rank() == 1:
+            Path(os.environ["FAIL_STAMP"]).write_text(repr(time.time()))
+            raise RuntimeError(f"deliberate failure on rank 1 at iteration {task.iteration}")
+        # rank 0 is stuck where SIGINT cannot reach it, halfway through writing a file
+        Path(task.checkpoint_folder, f".model_iteration{at}.torch.tmp.{os.getpid()}").write_bytes(b"partial")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        while True:
+            time.sleep(0.1)
+    standard_train_step(task)
+'''
+
+
+def processes_with(marker: str) -> List[int]:
+    """Pids whose environment holds ``marker`` (every process a run started inherits it)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                if marker.encode() in Path(f"/proc/{d}/environ").read_bytes():
+                    found.append(int(d))
+            except OSError:
+                continue
+    return found
+
+
+def test_rank_failure_ends_the_job(tmp_path: Path) -> None:
+    (tmp_path / "failing.py").write_text(FAILING)
+    folder, tmpdir, stamp = tmp_path / "run", tmp_path / "tmpdir", tmp_path / "failed_at"
+    tmpdir.mkdir()
+    marker = f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}"
+    env = {"FAIL_AT_ITER": "3", "FAIL_STAMP": str(stamp), "TMPDIR": str(tmpdir), marker.split("=")[0]: marker.split("=")[1]}
+    proc = run_tool(SUPERVISED + per_rank(2) + [
+        f"config.CHECKPOINT.DIR={folder}", f"config.USER_MODULES=[{tmp_path / 'failing.py'}]",
+        "config.TRAINER.TRAIN_STEP_NAME=fail_on_rank1_step", "config.DATA.NUM_DATALOADER_WORKERS=1",
+    ], env=env, timeout=300)
+    ended = time.time()
+    assert proc.returncode not in (0, None)
+    assert ended - float(stamp.read_text()) < 60
+    assert "rank 1 failed first" in proc.stderr and "deliberate failure on rank 1 at iteration 3" in proc.stderr
+    deadline = time.time() + 10
+    while processes_with(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert processes_with(marker) == []
+    assert [p.name for p in folder.iterdir() if ".tmp." in p.name or p.name.endswith(".lock")] == []
+    assert [p.name for p in tmpdir.iterdir() if p.name.startswith("ssl_engine_")] == []

@@ -11,7 +11,8 @@ from (SEED_VALUE, rank), never from the global torch generator.
 """
 
 import random
-from typing import Any, Dict
+import signal
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -32,10 +33,21 @@ def worker_init_fn(worker_id: int) -> None:
     seed = torch.initial_seed()
     np.random.seed(seed % (1 << 32))
     random.seed(seed)
+    # Preemption signals are for the training process (it checkpoints at a step boundary);
+    # a scheduler that signals the whole job must not kill the workers feeding that step.
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def build_dataloader(
-    dataset: Any, cfg: Any, split: str, rank: int, world_size: int, device: str
+    dataset: Any,
+    cfg: Any,
+    split: str,
+    rank: int,
+    world_size: int,
+    device: str,
+    pad: bool = True,
+    shuffle: Optional[bool] = None,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` for ``split`` on ``rank`` of ``world_size`` processes.
 
@@ -43,7 +55,9 @@ def build_dataloader(
     ``DATA.<split>.COLLATE_FUNCTION``, ``DATA.<split>.COLLATE_FUNCTION_PARAMS``,
     ``DATA.NUM_DATALOADER_WORKERS``, ``DATA.PIN_MEMORY`` (only when ``device`` is a GPU),
     ``MULTI_PROCESSING_METHOD`` (workers' start method), ``SEED_VALUE``.
-    Only TRAIN is shuffled.
+    Only TRAIN is shuffled unless ``shuffle`` says otherwise. ``pad=False`` gives the ranks
+    uneven shares with every sample exactly once (see StatefulDistributedSampler); feature
+    extraction uses it together with ``shuffle=False``.
     """
     data = cfg.get("DATA", {}) or {}
     scfg = data.get(split, {}) or {}
@@ -66,10 +80,11 @@ def build_dataloader(
         n,
         num_replicas=world_size,
         rank=rank,
-        shuffle=(split == "TRAIN"),
+        shuffle=(split == "TRAIN") if shuffle is None else bool(shuffle),
         seed=seed,
         drop_last=drop_last,
         batch_size=batch_size,
+        pad=pad,
     )
     collate_fn = build_collator(
         str(scfg.get("COLLATE_FUNCTION", "default_collate")), scfg.get("COLLATE_FUNCTION_PARAMS", {}) or {}, split

@@ -237,6 +237,13 @@ def _replicate(values: List[Any], counts: List[int]) -> List[Any]:
     return out
 
 
+# Transforms that draw no random numbers; any other (a user's included) is treated as random.
+DETERMINISTIC_TRANSFORMS = frozenset({
+    "ToTensor", "PILToTensor", "ToPILImage", "Normalize", "Resize", "CenterCrop", "Pad", "Grayscale",
+    "ConvertImageDtype", "FiveCrop", "TenCrop",
+})
+
+
 class SSLTransformsWrapper:
     """Applies a VISSL-style transform list to a sample dict, entry by entry.
 
@@ -259,6 +266,11 @@ class SSLTransformsWrapper:
 
     def __len__(self) -> int:
         return len(self.transforms)
+
+    @property
+    def draws_randomness(self) -> bool:
+        """False when every transform is deterministic: the dataset then skips per-sample seeding."""
+        return any(name not in DETERMINISTIC_TRANSFORMS for name, _, _ in self.transforms)
 
     def __repr__(self) -> str:
         return "SSLTransformsWrapper([" + ", ".join(repr(t) for _, t, _ in self.transforms) + "])"

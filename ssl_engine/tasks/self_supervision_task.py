@@ -7,6 +7,7 @@ counters; hooks read them.
 """
 
 import contextlib
+import inspect
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -192,11 +193,14 @@ class SelfSupervisionTask(ClassyTask):
         """Wrap the model in DistributedDataParallel when several ranks train it."""
         trainable = any(p.requires_grad for p in self.base_model.parameters())
         if self.world_size > 1 and trainable and any(p["train"] for p in self.phases):
-            self.model = torch.nn.parallel.DistributedDataParallel(
+            ddp = torch.nn.parallel.DistributedDataParallel
+            # torch >= 2.14 names the forward-time buffer broadcast forward_sync_buffers
+            sync_key = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else "broadcast_buffers"
+            self.model = ddp(
                 self.base_model,
                 device_ids=[self.local_rank] if self.device.type == "cuda" else None,
-                broadcast_buffers=self.config.DISTRIBUTED.BROADCAST_BUFFERS,
                 bucket_cap_mb=self.config.DATA.DDP_BUCKET_CAP_MB,
+                **{sync_key: self.config.DISTRIBUTED.BROADCAST_BUFFERS},
             )
 
     def _setup_amp(self) -> None:

@@ -52,6 +52,18 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _os_error_in(e: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError behind ``e``: torch.save reports a failed write as a RuntimeError whose
+    context holds the real error (ENOSPC, EACCES...)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
     """Write ``path`` through a temporary file in the same folder, then rename it into place.
 
@@ -72,9 +84,10 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> 
             tmp.unlink()
         except OSError:
             pass
-        if isinstance(e, OSError):
+        os_error = _os_error_in(e)
+        if os_error is not None:
             why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied", errno.EROFS: "read-only file system"}.get(
-                e.errno, e.strerror or str(e)
+                os_error.errno, os_error.strerror or str(os_error)
             )
             raise CheckpointError(f"cannot write {path.name} in {path.parent}: {why}; the previous files there are intact") from e
         raise
@@ -190,11 +203,14 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     try:
         data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(
-            f"refused to load {path}: it carries pickled objects that are not tensors or plain "
-            f"containers, and loading it would run code ({first[:160]})"
-        ) from None
+        text = str(e)
+        blocked = re.search(r"(Unsupported global: GLOBAL [^\s]+|unsupported GLOBAL [^\s]+|GLOBAL [\w.]+ [\w.]+)", text)
+        if blocked:
+            raise CheckpointError(
+                f"refused to load {path}: it carries pickled objects that are not tensors or plain "
+                f"containers, and loading it would run code ({blocked.group(1)[:160]})"
+            ) from None
+        raise CheckpointError(f"{path} is not a checkpoint or is corrupt: it cannot be read as tensors and plain containers") from None
     except (EOFError, zipfile.BadZipFile, RuntimeError, OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} is truncated or unreadable: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(data, dict):

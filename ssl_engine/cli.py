@@ -1,17 +1,35 @@
-"""The command line of tools/run_distributed_engines.py: one clear line and exit code 2 for
-user errors, before any process starts."""
+"""The command line of tools/run_distributed_engines.py.
+
+Everything the user can get wrong is checked before any process starts, where it can be:
+the config (keys, types, ranges, registry names), the files it names (data, weights,
+checkpoints), the parts it builds (datasets, loaders, model dimensions, optimizer; built on
+the meta device, no image decoded) and the checkpoint folder (writable, not locked by
+another run). A user error ends in one line on stderr, ``error: ...``, and exit code 2,
+without a traceback; ``--debug`` or ``SSL_ENGINE_DEBUG=1`` shows the traceback. The same
+holds for user errors raised later in a rank or a dataloader worker: the launcher and torch
+pass them up and the original message is printed. A non-finite loss stops the run with one
+line and exit code 1; Ctrl-C with exit code 130.
+"""
 
 import logging
 import os
 import sys
-from typing import List, Optional
+import warnings
+from typing import List, Optional, Tuple
 
-from ssl_engine.errors import USER_ERROR_EXIT_CODE, UserError
+from ssl_engine.errors import USER_ERROR_EXIT_CODE, NonFiniteLossError, UserError, one_line
 
 log = logging.getLogger("ssl_engine")
 
+INTERRUPTED_EXIT_CODE = 130
+RUN_FAILED_EXIT_CODE = 1
 
-def _split_args(argv: List[str]) -> tuple:
+_HELP = """usage: run_distributed_engines.py config=<name or file.yaml> [config.KEY=value ...] [+config.NEW=value ...]
+                                 [node_id=K] [--engine=train|extract_features] [--debug]"""
+
+
+def _split_args(argv: List[str]) -> Tuple[List[str], int, bool]:
+    """(hydra overrides, node_id, debug) from the command line."""
     overrides, node_id, debug, engine = [], 0, False, None
     for a in argv:
         if a in ("--debug", "-d"):
@@ -26,6 +44,8 @@ def _split_args(argv: List[str]) -> tuple:
         elif a in ("-h", "--help"):
             print(_HELP)
             sys.exit(0)
+        elif a.startswith("-"):
+            raise UserError(f"unknown option {a!r}; options are --engine=NAME, --debug, --help (see --help)")
         else:
             overrides.append(a)
     if engine:
@@ -33,20 +53,25 @@ def _split_args(argv: List[str]) -> tuple:
     return overrides, node_id, debug
 
 
-_HELP = """usage: run_distributed_engines.py config=<name or file.yaml> [config.KEY=value ...] [+config.NEW=value ...]
-                                 [node_id=K] [--engine=train|extract_features] [--debug]"""
+def quiet_dependency_warnings() -> None:
+    """Hide import-time deprecation notices of dependencies that a user can do nothing about."""
+    warnings.filterwarnings("ignore", message=r"The 'torchvision\.transforms\._(functional|transforms)_video' module")
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
 
 
 def prepare_config(overrides: List[str]):
-    """Compose, import user modules, and check names and paths: everything before launching."""
+    """Compose, import user modules, and check names and paths: the cheap checks, which need no
+    model or data. torch is imported only once the config has composed."""
     from ssl_engine.config import compose
-    from ssl_engine.config.validate import check_data_paths, check_registered_names
-    from ssl_engine.engines.run import load_builtin_parts
     from ssl_engine.logger import setup_logging
-    from ssl_engine.user_modules import import_user_modules
 
     setup_logging(0, None)
     cfg = compose(overrides)
+
+    from ssl_engine.config.validate import check_data_paths, check_registered_names
+    from ssl_engine.engines.run import load_builtin_parts
+    from ssl_engine.user_modules import import_user_modules
+
     load_builtin_parts()
     import_user_modules(cfg.USER_MODULES)
     check_registered_names(cfg)
@@ -54,22 +79,54 @@ def prepare_config(overrides: List[str]):
     return cfg
 
 
+def world_size_of(cfg) -> int:
+    """The number of ranks the run will have (torchrun's WORLD_SIZE wins when it is set)."""
+    from ssl_engine.launch import under_torchrun
+
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return int(cfg.DISTRIBUTED.NUM_NODES) * int(cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
+
+
+def check_before_launch(cfg, node_id: int = 0) -> None:
+    """What each rank would find out only after starting: output folders, the checkpoint
+    folder's lock, the checkpoint to resume from, and the parts built on the meta device."""
+    from ssl_engine.config.validate import check_output_folder, check_parts_build, check_resume_file
+    from ssl_engine.launch import under_torchrun
+    from ssl_engine.lock import check_folder_free
+
+    check_output_folder(cfg.CHECKPOINT.DIR, "config.CHECKPOINT.DIR")
+    if cfg.engine_name == "extract_features" and cfg.EXTRACT_FEATURES.OUTPUT_DIR:
+        check_output_folder(cfg.EXTRACT_FEATURES.OUTPUT_DIR, "config.EXTRACT_FEATURES.OUTPUT_DIR")
+    if cfg.engine_name == "train" and node_id == 0 and not under_torchrun():
+        # ranks started by torchrun, and other nodes, would see rank 0's own lock
+        check_folder_free(cfg.CHECKPOINT.DIR)
+    check_resume_file(cfg)
+    check_parts_build(cfg, world_size_of(cfg))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("SSL_ENGINE_DEBUG", "") not in ("", "0")
+    quiet_dependency_warnings()
     try:
         overrides, node_id, flag = _split_args(argv)
         debug = debug or flag
         cfg = prepare_config(overrides)
+        check_before_launch(cfg, node_id)
         from ssl_engine.launch import launch
 
         return launch(cfg, node_id=node_id)
     except UserError as e:
         if debug:
             raise
-        msg = " ".join(str(e).split()) if "\n" not in str(e).strip() else str(e).strip()
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    except NonFiniteLossError as e:
+        if debug:
+            raise
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return RUN_FAILED_EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT_CODE

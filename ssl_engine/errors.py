@@ -6,6 +6,7 @@ traceback, unless ``--debug`` or ``SSL_ENGINE_DEBUG=1`` asks for one.
 """
 
 import difflib
+import re
 from typing import Iterable, List
 
 USER_ERROR_EXIT_CODE = 2
@@ -28,11 +29,45 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; training stops without checkpointing that state."""
 
 
-def closest(name: str, candidates: Iterable[str], n: int = 3) -> List[str]:
+class FolderLockedError(UserError):
+    """Another run holds the checkpoint folder's lock (see ssl_engine.lock)."""
+
+
+# torch re-raises an exception of a DataLoader worker in the main process as
+# "Caught <Name> in DataLoader worker process <k>.\nOriginal Traceback ...\n<module>.<Name>: <message>".
+_WORKER_WRAP = re.compile(
+    r"Caught (?P<name>\w+) in DataLoader worker process (?P<worker>\d+)\.\s*Original Traceback \(most recent call last\):",
+)
+
+
+def unwrap_worker_error(text: str) -> str:
+    """The original message of an error that torch wrapped on its way out of a DataLoader worker.
+
+    Text before the wrapper (e.g. the launcher's "rank 1: ") is kept; text that was not
+    wrapped comes back unchanged.
+    """
+    m = _WORKER_WRAP.search(text)
+    if not m:
+        return text
+    rest = text[m.end():]
+    line = re.compile(rf"^(?:[\w.]+\.)?{re.escape(m.group('name'))}: ?(?P<msg>.*)$", re.M)
+    hits = list(line.finditer(rest))
+    if not hits:
+        return text
+    inner = rest[hits[-1].start("msg"):]
+    return text[: m.start()] + unwrap_worker_error(inner)
+
+
+def one_line(text: str) -> str:
+    """An error text as the single line the command-line tool prints."""
+    return " ".join(unwrap_worker_error(str(text)).split())
+
+
+def closest(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.5) -> List[str]:
     """The candidates closest to ``name``, best first (case-insensitive)."""
     cands = list(candidates)
     lower = {c.lower(): c for c in cands}
-    hits = difflib.get_close_matches(name.lower(), list(lower), n=n, cutoff=0.5)
+    hits = difflib.get_close_matches(name.lower(), list(lower), n=n, cutoff=cutoff)
     return [lower[h] for h in hits]
 
 

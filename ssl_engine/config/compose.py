@@ -7,19 +7,21 @@ validated (see validate.py) and returned as an AttrDict of the ``config:`` node 
 ``engine_name`` added to it.
 """
 
+import copy
+import functools
 import logging
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import yaml
 from omegaconf import OmegaConf
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.config.validate import flatten_keys, validate
+from ssl_engine.config.validate import flatten_keys, unknown_key_message, validate
 from ssl_engine.errors import ConfigError, closest
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,12 @@ def known_experiments() -> List[str]:
 
 
 def load_defaults() -> dict:
-    """defaults.yaml as a plain dict (root: engine_name + config)."""
+    """defaults.yaml as a plain dict (root: engine_name + config); a fresh copy on every call."""
+    return copy.deepcopy(_defaults_cached(DEFAULTS_FILE.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _defaults_cached(mtime_ns: int) -> dict:
     data = OmegaConf.to_container(OmegaConf.load(DEFAULTS_FILE), resolve=True)
     data.pop("defaults", None)
     return data
@@ -72,37 +79,151 @@ def _split_override(item: str) -> Tuple[str, str]:
     key, value = item.split("=", 1)
     key = key.strip()
     if not key or not re.fullmatch(r"[+~]{0,2}[A-Za-z_][\w.\-\[\]]*", key):
-        raise ConfigError(f"override {item!r} has an invalid key {key!r}")
+        raise ConfigError(
+            f"override {item!r} has an invalid key {key!r}: use config.SECTION.KEY=value (or +config.NEW_KEY=value)"
+        )
     return key, value
 
 
-def _check_yaml_file(path: Path) -> None:
-    """Safe-load a yaml file so that malformed yaml is reported with file and line."""
+def _check_override_grammar(item: str) -> None:
+    """Parse one override with hydra's grammar, so that a bad one is named in the error."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     try:
-        with open(path) as f:
-            yaml.safe_load(f)
+        OverridesParser.create().parse_override(item)
+    except Exception as e:  # hydra raises HydraException; anything else is as much the override's fault
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(
+            f"override {item!r} cannot be parsed ({why}); quote lists and mappings as one shell word, "
+            f"e.g. 'config.MODEL.HEAD.PARAMS=[[mlp,{{dims:[512,10]}}]]'"
+        ) from None
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader (no python object tags) that also refuses duplicate keys, as hydra does."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a mapping key must be a plain value, got {type(key).__name__}", key_node.start_mark
+            ) from None
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first set at line {first + 1})", key_node.start_mark
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictSafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """yaml's explanation of an error, phrased for a user (unknown tags are refused, not 'missing')."""
+    problem = getattr(e, "problem", None) or str(e)
+    tag = re.search(r"could not determine a constructor for the tag '([^']*)'", problem)
+    if tag:
+        name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+        if "python/" in name:
+            return f"refused the tag {name}: config files hold plain values, never python objects"
+        return f"unknown yaml tag {name}: config files hold plain values (no tags)"
+    context = getattr(e, "context", None)
+    cmark = getattr(e, "context_mark", None)
+    pmark = getattr(e, "problem_mark", None)
+    if context and cmark is not None and (pmark is None or cmark.line != pmark.line):
+        problem = f"{problem} ({context} at line {cmark.line + 1})"
+    return problem
+
+
+def read_yaml_file(path: Path) -> Any:
+    """A yaml file's content, loaded safely; ConfigError with file and line when it is malformed.
+
+    Loading never constructs python objects: tags such as ``!!python/object`` are refused.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=_StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
+        mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ConfigError(f"malformed yaml in {where}: {e.problem}") from None
+        raise ConfigError(f"malformed yaml in {where}: {_yaml_problem(e)}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"malformed yaml in {path}: {e}") from None
+        raise ConfigError(f"malformed yaml in {path}: {_yaml_problem(e)}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not utf-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+
+
+_TOP_LEVEL = ("engine_name", "config", "defaults", "hydra")
+
+
+def _check_yaml_file(path: Path) -> None:
+    """An experiment file must be well-formed yaml holding a mapping, with options under 'config:'."""
+    data = read_yaml_file(path)
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} holds a {type(data).__name__}, not a mapping; "
+            f"an experiment file looks like 'config:' followed by indented options"
+        )
+    for key in data:
+        if key not in _TOP_LEVEL:
+            hint = f"; did you mean config.{key}?" if key in load_defaults()["config"] else ""
+            raise ConfigError(
+                f"config file {path}: unknown top-level key {key!r}; valid: {', '.join(_TOP_LEVEL)} "
+                f"(options go under 'config:'){hint}"
+            )
+    if data.get("config") is not None and not isinstance(data["config"], dict):
+        raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
+    if not _has_global_package_header(path):
+        raise ConfigError(
+            f"config file {path} lacks the header line '# @package _global_' before its first key; "
+            f"without it hydra would read its options as config.config.*"
+        )
+
+
+def _has_global_package_header(path: Path) -> bool:
+    """True when the comment block at the top of the file holds '# @package _global_'."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            text = line.strip()
+            if not text:
+                continue
+            if not text.startswith("#"):
+                return False
+            if re.fullmatch(r"#\s*@package\s+_global_\s*", text):
+                return True
+    return True  # an empty file or only comments: nothing to misplace
 
 
 def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path]]:
     """Map the value of ``config=`` to (group option, extra search dirs)."""
     value = value.strip()
+    if not value:
+        near = known_experiments()[:6]
+        raise ConfigError(f"config= is empty: name an experiment file, e.g. {', '.join('config=' + n for n in near)}")
     as_path = Path(value).expanduser()
     if value.endswith((".yaml", ".yml")) and (as_path.is_file() or as_path.is_absolute()):
         if not as_path.is_file():
-            raise ConfigError(f"config={value}: no such file")
+            near = sorted(p.name for p in as_path.parent.glob("*.y*ml")) if as_path.parent.is_dir() else []
+            near = closest(as_path.name, near, n=3)
+            hint = f"; nearest in {as_path.parent}: {', '.join(near)}" if near else ""
+            raise ConfigError(f"config={value}: no such file{hint}")
         _check_yaml_file(as_path)
         # Present the user's file to hydra as an option of the `config` group.
         (tmp / "config").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(as_path, tmp / "config" / "user_file.yaml")
-        return "user_file", [tmp]
+        shutil.copyfile(as_path, tmp / "config" / f"{_USER_FILE}.yaml")
+        return _USER_FILE, [tmp]
     name = value[:-5] if value.endswith(".yaml") else value
     for d in config_search_dirs():
         f = d / "config" / f"{name}.yaml"
@@ -115,12 +236,13 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path]]:
     raise ConfigError(f"config={value} matches no file under {dirs}{hint}")
 
 
-def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path]) -> dict:
+_USER_FILE = "user_file"
+
+
+def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file: Optional[str] = None) -> dict:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     paths = ",".join(f"file://{d}" for d in search_dirs)
     all_overrides = [f"hydra.searchpath=[{paths}]"] + overrides
@@ -129,8 +251,12 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path]) -> dict:
         with initialize_config_dir(config_dir=str(DEFAULTS_DIR), version_base=None):
             cfg = hydra_compose(config_name="defaults", overrides=all_overrides)
             return OmegaConf.to_container(cfg, resolve=True)
-    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
-        raise ConfigError(_explain_hydra_error(e)) from None
+    except Exception as e:  # hydra/omegaconf raise many types on bad input; all of them are the input's fault
+        msg = _explain_hydra_error(e)
+        if user_file:
+            msg = re.sub(r"\S*/config/" + _USER_FILE + r"\.yaml", user_file, msg)
+            msg = msg.replace(f"config/{_USER_FILE}", user_file)
+        raise ConfigError(msg) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -139,12 +265,12 @@ def _explain_hydra_error(e: Exception) -> str:
     msg = " ".join(str(e).split())
     m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
     if m:
-        key = m.group(1)
-        known = flatten_keys(load_defaults())
-        near = closest(key, known, n=3)
-        hint = f"; closest: {', '.join(near)}" if near else ""
-        return f"unknown config key {key}{hint} (use +{key}=... to add a new key)"
-    return f"cannot compose the config: {msg}"
+        return unknown_key_message(m.group(1), flatten_keys(load_defaults()))
+    m = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg)
+    if m:
+        return f"+{m.group(1)}=... adds a key that already exists; set it with {m.group(1)}=... instead"
+    msg = msg.split(" Config search path:")[0]
+    return f"cannot compose the config: {msg or type(e).__name__}"
 
 
 def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> AttrDict:
@@ -163,18 +289,20 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if key == "config":
                 experiment = value
                 continue
-            if key.startswith("+") and not key.startswith("++"):
-                added_keys.append(key[1:])
+            _check_override_grammar(item)
+            if key.startswith("+"):
+                added_keys.append(key.lstrip("+"))
             hydra_overrides.append(f"{key}={value}")
+        user_file = None
         if experiment is not None:
             option, extra_dirs = _resolve_experiment(experiment, Path(tmpdir))
             hydra_overrides.insert(0, f"config={option}")
-        root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs())
+            user_file = experiment.strip() if option == _USER_FILE else None
+        root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs(), user_file)
     root.pop("hydra", None)
     if not isinstance(root.get("config"), dict):
         raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
-    cfg = validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused)
-    return cfg
+    return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused)
 
 
 def to_yaml(cfg: AttrDict) -> str:

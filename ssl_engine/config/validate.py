@@ -6,6 +6,7 @@ for VISSL configs but not acted on: a non-default value logs one warning naming 
 """
 
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Set
@@ -30,6 +31,42 @@ def flatten_keys(tree: Dict[str, Any], prefix: str = "") -> List[str]:
     return out
 
 
+def nearest_keys(key: str, known: Iterable[str], n: int = 3) -> List[str]:
+    """Valid key paths closest to an unknown one: siblings with a similar name when there are
+    any, else keys anywhere whose last part is similar (a key put in the wrong section)."""
+    known = list(known)
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k for k in known if k.rpartition(".")[0] == parent]
+    by_leaf = {k.rpartition(".")[2]: k for k in siblings}
+    near = [by_leaf[x] for x in closest(leaf, by_leaf, n=n)]
+    if near:
+        return near
+    leaves: Dict[str, List[str]] = {}
+    for k in known:
+        leaves.setdefault(k.rpartition(".")[2], []).append(k)
+    for x in closest(leaf, leaves, n=n, cutoff=0.7):
+        near += [k for k in leaves[x] if k not in near]
+    return near[:n]
+
+
+def unknown_key_message(key: str, known: Iterable[str], added_hint: bool = True) -> str:
+    """'unknown config key K (closest: ...)', or the valid keys of its section when none is close."""
+    known = list(known)
+    near = nearest_keys(key, known)
+    if near:
+        hint = f" (closest: {', '.join(near)})"
+    else:
+        parent = key.rpartition(".")[0]
+        siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+        shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
+        hint = f" (keys under {parent or 'the top level'}: {shown})" if siblings else ""
+    if key.startswith("config.config."):
+        hint += "; the experiment file probably lacks its first line '# @package _global_'"
+    elif added_hint:
+        hint += f"; to add a key of your own use +{key}=..."
+    return f"unknown config key {key}{hint}"
+
+
 def compat_keys(defaults_file: Optional[Path] = None) -> Set[str]:
     """Key paths marked ``# [compat]`` in defaults.yaml (a mark covers the key's subtree)."""
     from ssl_engine.config.compose import DEFAULTS_FILE
@@ -49,18 +86,39 @@ def compat_keys(defaults_file: Optional[Path] = None) -> Set[str]:
     return marked
 
 
+def show_value(v: Any) -> str:
+    """A value as the user would write it in yaml (null, true, 'text', 3)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
     return {bool: "bool", int: "int", float: "float", str: "string", list: "list", dict: "mapping"}.get(
         type(v), type(v).__name__
     )
 
 
-def _coerce(path: str, value: Any, default: Any) -> Any:
-    """Value converted to the default's type where that is lossless; ConfigError otherwise."""
-    if default is None or value is None:
+def _coerce(path: str, value: Any, default: Any, nullable: bool = False) -> Any:
+    """Value converted to the default's type where that is lossless; ConfigError otherwise.
+
+    ``null`` is accepted where the default is null, means '' for a string key, and is
+    accepted for ``[compat]`` keys (``nullable``); anywhere else it is a wrong type.
+    """
+    if default is None:
         return value
+    if value is None:
+        if isinstance(default, str):
+            return ""
+        if nullable:
+            return value
     bad = ConfigError(
-        f"{path}={value!r} has the wrong type: expected {_type_name(default)}, got {_type_name(value)}"
+        f"{path}={show_value(value)} has the wrong type: expected {_type_name(default)}, got {_type_name(value)}"
     )
     if isinstance(default, bool):
         if isinstance(value, bool):
@@ -71,19 +129,26 @@ def _coerce(path: str, value: Any, default: Any) -> Any:
             return value
         raise bad
     if isinstance(default, float):
+        number: Optional[float] = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)  # yaml reads 1e-5 (no dot) as a string
             except ValueError:
                 raise bad from None
-        raise bad
+        if number is None:
+            raise bad
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}={show_value(value)} is not a finite number")
+        return number
     if isinstance(default, str):
         if isinstance(value, str):
+            if "\x00" in value:
+                raise ConfigError(f"{path}={show_value(value)} holds a NUL character")
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value) if not isinstance(default, str) else value if False else str(value)
+            return str(value)
         raise bad
     if isinstance(default, list):
         if isinstance(value, (list, tuple)):
@@ -97,19 +162,23 @@ def _coerce(path: str, value: Any, default: Any) -> Any:
 
 
 class _Walker:
+    """Merges a composed tree over the defaults, collecting unknown and [compat] keys."""
+
     def __init__(self, added: Iterable[str], compat: Set[str]) -> None:
-        self.added = {a if a.startswith("config") or a == "engine_name" else a for a in added}
+        self.added = set(added)
         self.compat = compat
         self.unknown: List[str] = []
         self.compat_set: List[str] = []
-        self.all_known: List[str] = []
+
+    def is_compat(self, kpath: str) -> bool:
+        return kpath in self.compat or any(kpath.startswith(c + ".") for c in self.compat)
 
     def walk(self, user: Dict[str, Any], default: Dict[str, Any], path: str) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
         for key, value in user.items():
             kpath = f"{path}.{key}" if path else str(key)
             if key not in default:
-                if any(kpath == a or kpath.startswith(a + ".") for a in self.added):
+                if any(kpath == a or kpath.startswith(a + ".") or a.startswith(kpath + ".") for a in self.added):
                     log.warning("config key %s is not a known option; added as asked with '+'", kpath)
                     out[key] = value
                 elif path in _OPEN_PARENTS and isinstance(value, dict):
@@ -121,10 +190,9 @@ class _Walker:
             if isinstance(dval, dict) and dval and isinstance(value, dict):
                 out[key] = self.walk(value, dval, kpath)
                 continue
-            out[key] = _coerce(kpath, value, dval)
-            if kpath in self.compat or any(kpath.startswith(c + ".") for c in self.compat):
-                if out[key] != dval:
-                    self.compat_set.append(kpath)
+            out[key] = _coerce(kpath, value, dval, nullable=self.is_compat(kpath))
+            if self.is_compat(kpath) and out[key] != dval:
+                self.compat_set.append(kpath)
         # keys the user dropped (cannot happen through hydra, but a hand-made dict may)
         for key, dval in default.items():
             if key not in out:
@@ -162,6 +230,8 @@ _RANGES = [
     ("EXTRACT_FEATURES.CHUNK_THRESHOLD", lambda v: v >= 0, "an integer >= 0 (0 = default)"),
     ("NEAREST_NEIGHBOR.TOPK", lambda v: v > 0, "an integer > 0"),
     ("NEAREST_NEIGHBOR.SIGMA", lambda v: v > 0, "a number > 0"),
+    ("SEED_VALUE", lambda v: 0 <= v < 2**62, "an integer in [0, 2**62)"),
+    ("CHECKPOINT.DIR", lambda v: v.strip() != "", "a folder path (not empty)"),
 ]
 
 
@@ -177,7 +247,7 @@ def check_ranges(cfg: Dict[str, Any]) -> None:
     for dotted, ok, valid in _RANGES:
         value = _get(cfg, dotted)
         if not ok(value):
-            raise ConfigError(f"config.{dotted}={value!r} is out of range: expected {valid}")
+            raise ConfigError(f"config.{dotted}={show_value(value)} is out of range: expected {valid}")
     splits = [s for s in ("TRAIN", "TEST") if cfg["DATA"][s]["DATA_SOURCES"]]
     for s in splits:
         d = cfg["DATA"][s]
@@ -197,17 +267,7 @@ def validate(
     merged = walker.walk(root, defaults, "")
     if walker.unknown:
         known = flatten_keys(defaults)
-        parts = []
-        for key in walker.unknown:
-            leaf = key.rsplit(".", 1)[-1]
-            parent = key.rsplit(".", 1)[0]
-            siblings = [k for k in known if k.rsplit(".", 1)[0] == parent]
-            near = closest(key, siblings, n=3) or closest(leaf, [k.rsplit(".", 1)[-1] for k in known], n=3)
-            if near and "." not in near[0]:
-                near = [k for k in known if k.rsplit(".", 1)[-1] in near][:3]
-            hint = f" (closest: {', '.join(near)})" if near else ""
-            parts.append(f"{key}{hint}")
-        raise ConfigError("unknown config key " + "; unknown config key ".join(parts))
+        raise ConfigError("; ".join(unknown_key_message(k, known, added_hint=False) for k in walker.unknown))
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
     check_ranges(cfg)
@@ -217,40 +277,49 @@ def validate(
     return AttrDict(cfg)
 
 
+def _lookup(registry: Any, key: str, name: Any) -> None:
+    """``registry.get(name)``, with a ConfigError when the name is not text at all."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{key}={show_value(name)} must be a name ({registry.kind}), got {_type_name(name)}")
+    registry.get(name)
+
+
 def check_registered_names(cfg: AttrDict) -> None:
     """Every name the config gives a registry must be registered (after USER_MODULES import)."""
     from ssl_engine import registry as R
 
-    R.ENGINES.get(cfg.engine_name)
-    R.TASKS.get(cfg.TRAINER.TASK_NAME)
-    R.TRAIN_STEPS.get(cfg.TRAINER.TRAIN_STEP_NAME)
-    R.TRUNKS.get(cfg.MODEL.TRUNK.NAME)
-    for entry in cfg.MODEL.HEAD.PARAMS:
+    _lookup(R.ENGINES, "engine_name", cfg.engine_name)
+    _lookup(R.TASKS, "config.TRAINER.TASK_NAME", cfg.TRAINER.TASK_NAME)
+    _lookup(R.TRAIN_STEPS, "config.TRAINER.TRAIN_STEP_NAME", cfg.TRAINER.TRAIN_STEP_NAME)
+    _lookup(R.TRUNKS, "config.MODEL.TRUNK.NAME", cfg.MODEL.TRUNK.NAME)
+    for i, entry in enumerate(cfg.MODEL.HEAD.PARAMS):
         if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], dict):
             raise ConfigError(
-                f"config.MODEL.HEAD.PARAMS entry {entry!r} is not of the form [head_name, {{params}}]"
+                f"config.MODEL.HEAD.PARAMS[{i}]={show_value(entry)} is not of the form [head_name, {{params}}]"
             )
-        R.HEADS.get(entry[0])
-    R.LOSSES.get(cfg.LOSS.name)
-    R.OPTIMIZERS.get(cfg.OPTIMIZER.name)
-    meters = list(cfg.METERS.names) + ([cfg.METERS.name] if cfg.METERS.name else [])
-    for m in meters:
-        R.METERS.get(m)
+        _lookup(R.HEADS, f"config.MODEL.HEAD.PARAMS[{i}][0]", entry[0])
+    _lookup(R.LOSSES, "config.LOSS.name", cfg.LOSS.name)
+    _lookup(R.OPTIMIZERS, "config.OPTIMIZER.name", cfg.OPTIMIZER.name)
+    for i, m in enumerate(cfg.METERS.names):
+        _lookup(R.METERS, f"config.METERS.names[{i}]", m)
+    if cfg.METERS.name:
+        _lookup(R.METERS, "config.METERS.name", cfg.METERS.name)
     for split in ("TRAIN", "TEST"):
         d = cfg.DATA[split]
-        for s in d.DATA_SOURCES:
-            R.DATA_SOURCES.get(s)
-        for s in d.LABEL_SOURCES:
-            R.DATA_SOURCES.get(s)
-        R.COLLATORS.get(d.COLLATE_FUNCTION)
-        for t in d.TRANSFORMS:
+        for key in ("DATA_SOURCES", "LABEL_SOURCES"):
+            for i, s in enumerate(d[key]):
+                _lookup(R.DATA_SOURCES, f"config.DATA.{split}.{key}[{i}]", s)
+        _lookup(R.COLLATORS, f"config.DATA.{split}.COLLATE_FUNCTION", d.COLLATE_FUNCTION)
+        for i, t in enumerate(d.TRANSFORMS):
             if not isinstance(t, dict) or "name" not in t:
-                raise ConfigError(f"config.DATA.{split}.TRANSFORMS entry {t!r} needs a 'name' key")
-            R.TRANSFORMS.get(t["name"])
-    for h in cfg.HOOKS.CUSTOM:
+                raise ConfigError(f"config.DATA.{split}.TRANSFORMS[{i}]={show_value(t)} needs a 'name' key")
+            _lookup(R.TRANSFORMS, f"config.DATA.{split}.TRANSFORMS[{i}].name", t["name"])
+    for i, h in enumerate(cfg.HOOKS.CUSTOM):
         if not isinstance(h, dict) or "name" not in h:
-            raise ConfigError(f"config.HOOKS.CUSTOM entry {h!r} needs a 'name' key")
-        R.HOOKS.get(h["name"])
+            raise ConfigError(f"config.HOOKS.CUSTOM[{i}]={show_value(h)} needs a 'name' key")
+        _lookup(R.HOOKS, f"config.HOOKS.CUSTOM[{i}].name", h["name"])
+        if not isinstance(h.get("params") or {}, dict):
+            raise ConfigError(f"config.HOOKS.CUSTOM[{i}].params={show_value(h['params'])} must be a mapping")
 
 
 def check_data_paths(cfg: AttrDict) -> None:
@@ -268,5 +337,193 @@ def check_data_paths(cfg: AttrDict) -> None:
                     f"give a {'folder' if source == 'disk_folder' else 'file list'}"
                 )
             p = paths[i][0] if isinstance(paths[i], list) else paths[i]
-            if not Path(str(p)).expanduser().exists():
+            try:
+                found = Path(str(p)).expanduser().exists()
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"config.DATA.{split}.DATA_PATHS[{i}]={show_value(p)} is not a usable path ({e})") from None
+            if not found:
                 raise ConfigError(f"config.DATA.{split}.DATA_PATHS[{i}]: {p} does not exist")
+
+
+# ----------------------------------------------------------------------------------------
+# Checks before launching: what every rank would find out only after it started.
+
+
+def check_output_folder(path: Any, key: str) -> None:
+    """``path`` is a folder, or can be created: no part of it is a file, its nearest existing
+    ancestor is writable."""
+    import os
+
+    folder = Path(str(path)).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{key}={path} is a file, not a folder; name a folder for the run's files")
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"{key}={path} cannot be created: {probe} is a file")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == folder else f"cannot be created: {probe} is not writable"
+        raise ConfigError(f"{key}={path} {what} by this user")
+
+
+def is_resuming(cfg: AttrDict) -> bool:
+    """True when a training run would continue from a checkpoint rather than start anew."""
+    from ssl_engine.checkpoint import list_checkpoints
+
+    if cfg.CHECKPOINT.RESUME_FROM:
+        return True
+    return bool(cfg.CHECKPOINT.AUTO_RESUME) and bool(list_checkpoints(Path(str(cfg.CHECKPOINT.DIR)).expanduser()))
+
+
+def peek_checkpoint(path: Path) -> Dict[str, Any]:
+    """A checkpoint's structure without reading its tensor data (tensors come back on the meta
+    device); loads with weights_only, so a file carrying pickled code is refused, never run."""
+    import torch
+
+    from ssl_engine.checkpoint import load_checkpoint
+
+    try:
+        data = torch.load(str(path), map_location="meta", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - old formats cannot be mmapped; load_checkpoint explains real problems
+        data = load_checkpoint(path)
+    if not isinstance(data, dict):
+        return load_checkpoint(path)  # raises its "not a checkpoint" error
+    return data
+
+
+def check_resume_file(cfg: AttrDict) -> None:
+    """CHECKPOINT.RESUME_FROM names an ssl_engine training checkpoint that loads without code."""
+    from ssl_engine.checkpoint import is_engine_checkpoint
+    from ssl_engine.errors import CheckpointError
+
+    if not cfg.CHECKPOINT.RESUME_FROM:
+        return
+    path = Path(str(cfg.CHECKPOINT.RESUME_FROM)).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
+    data = peek_checkpoint(path)
+    if cfg.engine_name == "train" and not (
+        is_engine_checkpoint(data) and isinstance(data["classy_state_dict"].get("base_model"), dict)
+    ):
+        keys = ", ".join(map(str, list(data)[:8])) or "none"
+        raise CheckpointError(
+            f"config.CHECKPOINT.RESUME_FROM: {path} is not an ssl_engine training checkpoint (top-level keys: {keys}); "
+            f"to start a new run from its weights use config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+        )
+
+
+class _Quiet:
+    """Silence logging and python warnings while parts are built only to be checked."""
+
+    def __enter__(self) -> "_Quiet":
+        import warnings
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        self._previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.disable(self._previous)
+        self._warnings.__exit__(*exc)
+
+
+def _checked(what: str, build: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``build``; a UserError propagates, anything else returns None (the rank will say it)."""
+    from ssl_engine.errors import UserError
+
+    try:
+        return build(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - not a user error, or an artefact of building on meta
+        log.debug("pre-launch check of %s skipped: %s: %s", what, type(e).__name__, e)
+        return None
+
+
+def check_custom_hooks(cfg: AttrDict) -> None:
+    """HOOKS.CUSTOM params fit their hook's constructor (checked by signature, nothing is built)."""
+    import inspect
+
+    from ssl_engine.errors import UserError
+    from ssl_engine.registry import HOOKS
+
+    for entry in cfg.HOOKS.CUSTOM:
+        cls = HOOKS.get(entry["name"])
+        params = dict(entry.get("params") or {})
+        try:
+            inspect.signature(cls).bind(**params)
+        except TypeError as e:
+            raise UserError(f"config.HOOKS.CUSTOM hook {entry['name']!r}: bad params {params}: {e}") from None
+        except ValueError:
+            continue  # no signature to check against
+
+
+def check_parts_build(cfg: AttrDict, world_size: int) -> None:
+    """Build what each rank builds, cheaply, so that its user errors come before any process
+    starts: datasets (sizes and labels; no image is decoded), loaders (batch size against
+    DROP_LAST and the world size), the model on the meta device (heads against the trunk's
+    dimensions), the weights file's names against it, the loss, meters and optimizer.
+
+    Only UserErrors are reported here; any other failure is left for the run to show with its
+    traceback.
+    """
+    check_custom_hooks(cfg)
+    with _Quiet():
+        _build_parts(cfg, world_size)
+
+
+def _build_parts(cfg: AttrDict, world_size: int) -> None:
+    import torch
+
+    from ssl_engine.data import build_dataloader, build_dataset
+    from ssl_engine.losses import build_loss
+    from ssl_engine.meters import build_meters
+    from ssl_engine.models import build_model
+    from ssl_engine.registry import TASKS
+    from ssl_engine.tasks.self_supervision_task import SelfSupervisionTask
+
+    if cfg.engine_name == "train":
+        task_cls = TASKS.get(cfg.TRAINER.TASK_NAME)
+        if not (isinstance(task_cls, type) and issubclass(task_cls, SelfSupervisionTask)):
+            return  # a user task builds its own parts
+        task = _checked("the task", task_cls, cfg)
+        if task is None:
+            return
+        splits = task.needed_splits()
+        build_cfg = cfg
+    elif cfg.engine_name == "extract_features":
+        from ssl_engine.engines.extract_features import extraction_config, extraction_splits
+
+        splits = extraction_splits(cfg)
+        build_cfg = extraction_config(cfg)
+    else:
+        return
+    loaders = {}
+    for split in splits:
+        dataset = _checked(f"the {split} data", build_dataset, build_cfg, split)
+        if dataset is not None:
+            loaders[split] = _checked(
+                f"the {split} loader", build_dataloader, dataset, build_cfg, split, 0, world_size, "cpu"
+            )
+    with torch.device("meta"):
+        model = _checked("the model", build_model, build_cfg.MODEL, build_cfg.OPTIMIZER)
+        _checked("the loss", build_loss, build_cfg.LOSS)
+    _checked("the meters", build_meters, build_cfg.METERS)
+    if model is None:
+        return
+    weights = build_cfg.MODEL.WEIGHTS_INIT
+    if weights.PARAMS_FILE and (cfg.engine_name != "train" or not is_resuming(cfg)):
+        from ssl_engine.checkpoint import init_model_from_weights
+
+        _checked("the weights file", init_model_from_weights, model, weights)
+    if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
+        from ssl_engine.optim import build_optimizer
+
+        global_bs = build_cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * world_size
+        _checked("the optimizer", build_optimizer, build_cfg.OPTIMIZER, model, global_bs, len(loaders["TRAIN"]))

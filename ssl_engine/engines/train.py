@@ -18,8 +18,9 @@ from ssl_engine.checkpoint import (
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.compose import to_yaml
 from ssl_engine.distributed import RankInfo
-from ssl_engine.errors import CheckpointError
+from ssl_engine.errors import CheckpointError, UserError
 from ssl_engine.hooks import default_hooks
+from ssl_engine.lock import FolderLock
 from ssl_engine.registry import ENGINES
 from ssl_engine.trainer import SelfSupervisionTrainer
 
@@ -58,9 +59,46 @@ def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
     return (str(found[0]), found[1]) if found else None
 
 
+class _Trainer(SelfSupervisionTrainer):
+    """Writes train_config.yaml once setup has succeeded: a config that fails to build or to
+    resume never replaces the one that goes with the folder's checkpoints."""
+
+    def setup(self) -> Any:
+        task = super().setup()
+        if du.is_primary():
+            atomic_write_text(Path(self.checkpoint_folder) / "train_config.yaml", to_yaml(self.cfg))
+        return task
+
+
+def _take_folder_lock(lock: Optional[FolderLock]) -> bool:
+    """Rank 0 takes the folder lock; every rank learns whether it got it (ranks > 0 then stop
+    quietly and rank 0 raises the reason)."""
+    error: Optional[UserError] = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except UserError as e:
+            error = e
+    ok = du.all_gather_object(error is None)[0] if du.get_world_size() > 1 else error is None
+    if error is not None:
+        raise error
+    return ok
+
+
 @ENGINES.register("train")
 def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
     folder = Path(cfg.CHECKPOINT.DIR)
+    lock = FolderLock(folder) if du.is_primary() else None
+    if not _take_folder_lock(lock):
+        return None
+    try:
+        return _train(cfg, info, folder)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
     finished = final_checkpoint(folder)
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM:
         if not cfg.CHECKPOINT.OVERWRITE_EXISTING:
@@ -76,8 +114,7 @@ def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
     resume = resume_checkpoint(cfg)
     if du.is_primary():
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(folder / "train_config.yaml", to_yaml(cfg))
-    trainer = SelfSupervisionTrainer(
+    trainer = _Trainer(
         cfg, info.init_method, resume[0] if resume else None, str(folder), default_hooks(cfg),
         local_rank=info.local_rank, checkpoint=resume[1] if resume else None,
     )

@@ -1,0 +1,253 @@
+"""The checkpoint-folder lock: one training run writes a CHECKPOINT.DIR at a time.
+
+Rank 0 of a training run creates ``<CHECKPOINT.DIR>/train.lock`` with O_CREAT | O_EXCL (an
+atomic "create if absent", also on NFS) and writes who owns it: pid, host, the process's
+start time, the SLURM job id and the command line. A second run on the same folder finds the
+file and refuses with a message naming the owner, instead of interleaving its checkpoints
+with the first run's. The owner removes the file when it ends, whether it finished, failed
+or was interrupted.
+
+A lock whose owner is gone is stale and is taken over, with a warning: the owner ran on this
+host and its pid no longer runs (or now belongs to a process that started later), or the
+owner was an earlier allocation of this same SLURM job (a requeued job after a preemption).
+A lock held from another host cannot be checked from here; the message says which file to
+delete once that run is known to be gone.
+"""
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from ssl_engine.errors import FolderLockedError, UserError
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "train.lock"
+_TAKEOVER_SUFFIX = ".takeover"
+_STALE_TAKEOVER_SECONDS = 30.0  # a takeover guard older than this was left by a process that died
+_UNREADABLE_GRACE_SECONDS = 5.0  # an empty/garbled lock younger than this is still being written
+
+
+def lock_path(folder: Any) -> Path:
+    """Where the lock of a checkpoint folder lives."""
+    return Path(str(folder)).expanduser() / LOCK_NAME
+
+
+def _process_start_ticks(pid: int) -> Optional[int]:
+    """The start time of a process in clock ticks since boot (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    try:  # the command name is in parentheses and may hold spaces: split after the last ')'
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _owner_record() -> Dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "start_ticks": _process_start_ticks(os.getpid()),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv)[:500],
+        "token": uuid.uuid4().hex,
+    }
+
+
+def _read(path: Path) -> Optional[bytes]:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _parse(raw: bytes) -> Optional[Dict[str, Any]]:
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+        return None
+    return data
+
+
+def owner_is_gone(owner: Dict[str, Any]) -> Optional[bool]:
+    """True: the owner no longer runs; False: it runs; None: it ran on another host (unknown)."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if job and owner.get("slurm_job_id") == job and owner.get("host") != socket.gethostname():
+        return True  # an earlier allocation of this very job (requeued): it cannot still be running
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = int(owner["pid"])
+    if pid == os.getpid() and owner.get("start_ticks") == _process_start_ticks(pid):
+        return True  # left behind by this process (an earlier run in the same interpreter)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # runs, as another user
+    ticks = owner.get("start_ticks")
+    now = _process_start_ticks(pid)
+    return bool(ticks is not None and now is not None and ticks != now)  # the pid was reused
+
+
+def describe_owner(owner: Dict[str, Any]) -> str:
+    """'pid 123 on host node1, started 2024-05-01 10:00:00'."""
+    text = f"pid {owner.get('pid')} on host {owner.get('host', '?')}"
+    if owner.get("started"):
+        text += f", started {owner['started']}"
+    return text
+
+
+def _refusal(path: Path, owner: Dict[str, Any], gone: Optional[bool]) -> FolderLockedError:
+    folder = path.parent
+    if gone is None:
+        return FolderLockedError(
+            f"checkpoint folder {folder} is locked by another training run ({describe_owner(owner)}); its host "
+            f"cannot be checked from here. Use another config.CHECKPOINT.DIR, or delete {path} once that run has ended"
+        )
+    return FolderLockedError(
+        f"checkpoint folder {folder} is in use by another training run ({describe_owner(owner)}; lock file {path}); "
+        f"wait for it to end or use another config.CHECKPOINT.DIR"
+    )
+
+
+def check_folder_free(folder: Any) -> None:
+    """Raise FolderLockedError when a live run holds the folder's lock (changes nothing on disk)."""
+    path = lock_path(folder)
+    raw = _read(path)
+    if raw is None:
+        return
+    owner = _parse(raw)
+    if owner is None:
+        return  # garbled: acquire() decides after its grace period
+    gone = owner_is_gone(owner)
+    if not gone:
+        raise _refusal(path, owner, gone)
+
+
+class FolderLock:
+    """The lock of one checkpoint folder, held by this process between acquire() and release()."""
+
+    def __init__(self, folder: Any) -> None:
+        self.path = lock_path(folder)
+        self.record: Optional[Dict[str, Any]] = None
+
+    def __enter__(self) -> "FolderLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    @property
+    def held(self) -> bool:
+        return self.record is not None
+
+    def acquire(self) -> None:
+        """Take the lock, taking over a stale one; FolderLockedError when a live run holds it."""
+        if self.held:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = _owner_record()
+        payload = (json.dumps(record, indent=1) + "\n").encode("utf-8")
+        deadline = time.monotonic() + 10.0
+        while True:
+            if self._create(payload):
+                self.record = record
+                return
+            raw = _read(self.path)
+            if raw is None:
+                continue  # released meanwhile: try again
+            owner = _parse(raw)
+            if owner is None:
+                if self._age() < _UNREADABLE_GRACE_SECONDS and time.monotonic() < deadline:
+                    time.sleep(0.05)  # its owner is writing it right now
+                    continue
+                log.warning("taking over the unreadable lock file %s", self.path)
+                self._remove_if_unchanged(raw)
+                continue
+            gone = owner_is_gone(owner)
+            if not gone:
+                raise _refusal(self.path, owner, gone)
+            log.warning(
+                "taking over the stale lock of checkpoint folder %s: its owner (%s) no longer runs",
+                self.path.parent, describe_owner(owner),
+            )
+            self._remove_if_unchanged(raw)
+            if time.monotonic() > deadline:
+                raise FolderLockedError(f"could not take the lock {self.path}: other runs keep taking it; try again")
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours (never another run's)."""
+        if not self.held:
+            return
+        owner = _parse(_read(self.path) or b"")
+        if owner is not None and owner.get("token") == self.record.get("token"):
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+        self.record = None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _create(self, payload: bytes) -> bool:
+        try:
+            fd = os.open(str(self.path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise UserError(f"cannot create the lock file {self.path}: {e.strerror or e}") from None
+        try:
+            os.write(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def _age(self) -> float:
+        try:
+            return time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def _remove_if_unchanged(self, raw: bytes) -> None:
+        """Delete the stale lock, unless another process replaced it since we read it.
+
+        A guard file created with O_EXCL makes "check content, then delete" one step among the
+        processes that take over at the same moment.
+        """
+        guard = self.path.with_name(self.path.name + _TAKEOVER_SUFFIX)
+        try:
+            fd = os.open(str(guard), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                if time.time() - guard.stat().st_mtime > _STALE_TAKEOVER_SECONDS:
+                    guard.unlink()
+            except FileNotFoundError:
+                pass
+            time.sleep(0.05)
+            return
+        try:
+            if _read(self.path) == raw:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+            try:
+                guard.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,362 @@
+"""Bad input through the real tool: each row of the table runs tools/run_distributed_engines.py
+with one mistake and expects exit code 2, a single line on stderr naming the key, file or value
+(and what would be valid), and the pre-existing checkpoint folder it points at unchanged.
+
+The rows run two at a time in subprocesses, once per session (a module fixture); each row is
+then its own test. The property tests at the end feed random override strings and random
+yaml documents to ssl_engine.config.compose: it composes or raises ConfigError, nothing else.
+"""
+
+import hashlib
+import logging
+import os
+import shutil
+import string
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Tuple
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import run_tool
+from ssl_engine import checkpoint as ck
+from ssl_engine.errors import ConfigError, UserError
+
+BASE = [
+    "config=quick/supervised_digits",
+    "config.OPTIMIZER.num_epochs=2",
+    "config.TEST_MODEL=false",
+    "config.DATA.TRAIN.DATA_LIMIT=32",
+    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16",
+    "config.MODEL.TRUNK.NAME=mlp",
+    "config.MODEL.TRUNK.MLP.DIMS=[3072,16]",
+    "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,10]}]]",
+]
+
+
+class Row(NamedTuple):
+    """One bad input: the arguments after BASE, the strings its error line must hold, the
+    folder it points CHECKPOINT.DIR at ('run': a resumable run; 'fresh': no checkpoint yet), and
+    whether it runs through the real tool in a subprocess or through the tool's main() in this
+    process (rows that need torch cost seconds of import each as subprocesses)."""
+
+    id: str
+    args: Tuple[str, ...]
+    must: Tuple[str, ...]
+    folder: str = "run"
+    tool: bool = True
+
+
+R = Row
+ROWS: List[Row] = [
+    # -- keys, types, ranges (the config alone) ---------------------------------------------------
+    R("unknown-key", ("config.OPTIMIZER.num_epoch=3",),
+      ("unknown config key config.OPTIMIZER.num_epoch", "closest: config.OPTIMIZER.num_epochs")),
+    R("unknown-key-nested", ("config.DATA.TRAIN.BATCHSIZE=8",),
+      ("config.DATA.TRAIN.BATCHSIZE", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA")),
+    R("unknown-key-in-yaml", ("config={fx}/unknown_key.yaml",),
+      ("config.OPTIMIZER.num_epoch", "closest: config.OPTIMIZER.num_epochs")),
+    R("wrong-type-int", ("config.OPTIMIZER.num_epochs=two",),
+      ("config.OPTIMIZER.num_epochs='two'", "expected int, got string")),
+    R("wrong-type-bool", ("config.TEST_MODEL=maybe",), ("config.TEST_MODEL='maybe'", "expected bool")),
+    R("wrong-type-list", ("config.DATA.TRAIN.DATA_SOURCES=digits",),
+      ("config.DATA.TRAIN.DATA_SOURCES='digits'", "expected list")),
+    R("wrong-type-null", ("config.LOG_FREQUENCY=null",), ("config.LOG_FREQUENCY=null", "expected int")),
+    R("negative-batch-size", ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4",),
+      ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4", "expected an integer > 0")),
+    R("zero-epochs", ("config.OPTIMIZER.num_epochs=0",), ("config.OPTIMIZER.num_epochs=0", "expected an integer > 0")),
+    R("unknown-device", ("config.MACHINE.DEVICE=tpu",), ("config.MACHINE.DEVICE='tpu'", "one of cpu, gpu")),
+    R("log-frequency-zero", ("config.LOG_FREQUENCY=0",), ("config.LOG_FREQUENCY=0", "expected an integer > 0")),
+    R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
+    R("empty-checkpoint-dir", ("config.CHECKPOINT.DIR=",), ("config.CHECKPOINT.DIR=''", "folder path")),
+    # -- yaml files and config= --------------------------------------------------------------------
+    R("malformed-yaml", ("config={fx}/malformed.yaml",), ("malformed yaml in {fx}/malformed.yaml:5",)),
+    R("yaml-python-tag", ("config={fx}/python_tag.yaml",),
+      ("{fx}/python_tag.yaml:3", "refused the tag !!python/object/apply:os.system")),
+    R("yaml-not-a-mapping", ("config={fx}/a_list.yaml",), ("{fx}/a_list.yaml holds a list, not a mapping",)),
+    R("yaml-duplicate-key", ("config={fx}/duplicate.yaml",),
+      ("{fx}/duplicate.yaml:4", "duplicate key 'LOG_FREQUENCY'")),
+    R("config-no-such-name", ("config=quick/supervised_digit",),
+      ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits")),
+    R("config-no-such-file", ("config={fx}/nothere.yaml",), ("config={fx}/nothere.yaml: no such file",)),
+    # -- the command line ---------------------------------------------------------------------------
+    R("override-not-key-value", ("config.OPTIMIZER.num_epochs",),
+      ("override 'config.OPTIMIZER.num_epochs' is not of the form key=value",)),
+    R("override-bad-grammar", ("config.MODEL.HEAD.PARAMS=[[mlp,",),
+      ("override 'config.MODEL.HEAD.PARAMS=[[mlp,' cannot be parsed",)),
+    R("add-existing-key", ("+config.LOG_FREQUENCY=3",), ("+config.LOG_FREQUENCY", "already exists")),
+    R("unknown-option", ("--epochs=3",), ("unknown option '--epochs=3'",)),
+    R("node-id-not-int", ("node_id=first",), ("node_id='first' is not an integer",)),
+    # -- registry names -----------------------------------------------------------------------------
+    R("unknown-trunk", ("config.MODEL.TRUNK.NAME=resnt",),
+      ("unknown trunk 'resnt'", "config.MODEL.TRUNK.NAME", "known: mlp, resnet")),
+    R("unknown-loss", ("config.LOSS.name=cross_entropy",), ("unknown loss 'cross_entropy'", "config.LOSS.name", "known:"), tool=False),
+    R("unknown-transform", ("config.DATA.TRAIN.TRANSFORMS=[{name:ToTensr}]",),
+      ("unknown transform 'ToTensr'", "did you mean 'ToTensor'"), tool=False),
+    R("unknown-engine", ("engine_name=trian",), ("unknown engine 'trian'", "known: extract_features, train"), tool=False),
+    # -- data ---------------------------------------------------------------------------------------
+    R("missing-data-paths", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
+      ("config.DATA.TRAIN.DATA_PATHS", "disk_folder")),
+    R("data-path-not-there", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/nofolder]",
+                              "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/nofolder", "does not exist"), tool=False),
+    R("empty-data-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/empty]",
+                            "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/empty", "contains no images"), tool=False),
+    R("labels-do-not-match-data", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                                   "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
+                                   "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                                   "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels5.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("config.DATA.TRAIN.LABEL_PATHS[0]", "{fx}/labels5.npy", "has 5 labels", "has 6 samples")),
+    R("dataset-smaller-than-a-batch", ("config.DATA.TRAIN.DROP_LAST=true", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=64"),
+      ("config.DATA.TRAIN.DROP_LAST", "32 samples", "BATCHSIZE_PER_REPLICA=64")),
+    R("bad-transform-params", ("config.DATA.TRAIN.TRANSFORMS=[{name:RandomResizedCrop,sizee:32}]",),
+      ("config.DATA.TRAIN.TRANSFORMS[0]", "RandomResizedCrop", "sizee"), tool=False),
+    # -- model, optimizer ---------------------------------------------------------------------------
+    R("head-input-dim-mismatch", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[64,10]}]]",),
+      ("MODEL.HEAD.PARAMS[0]", "dims[0]=64", "gives 16 features")),
+    R("unknown-lr-schedule", ("config.OPTIMIZER.param_schedulers.lr.name=cosin",),
+      ("config.OPTIMIZER.param_schedulers.lr.name='cosin'", "cosine"), tool=False),
+    # -- files: weights, checkpoints, folders, user modules ------------------------------------------
+    R("weights-file-missing", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/nothere.torch",),
+      ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE", "{fx}/nothere.torch", "does not exist"), folder="fresh", tool=False),
+    R("weights-file-no-expected-keys", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/foreign.torch",),
+      ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE", "{fx}/foreign.torch", "match"), folder="fresh"),
+    R("weights-file-pickle-payload", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/payload.torch",),
+      ("refused to load {fx}/payload.torch",), folder="fresh", tool=False),
+    R("resume-from-not-a-checkpoint", ("config.CHECKPOINT.RESUME_FROM={fx}/foreign.torch",),
+      ("config.CHECKPOINT.RESUME_FROM", "{fx}/foreign.torch", "not an ssl_engine", "WEIGHTS_INIT"), tool=False),
+    R("resume-from-pickle-payload", ("config.CHECKPOINT.RESUME_FROM={fx}/payload.torch",),
+      ("refused to load {fx}/payload.torch",)),
+    R("resume-from-missing", ("config.CHECKPOINT.RESUME_FROM={fx}/nothere.torch",),
+      ("config.CHECKPOINT.RESUME_FROM", "{fx}/nothere.torch", "does not exist"), tool=False),
+    R("checkpoint-dir-is-a-file", ("config.CHECKPOINT.DIR={fx}/garbage.torch",),
+      ("config.CHECKPOINT.DIR={fx}/garbage.torch is a file",), tool=False),
+    R("user-module-missing", ("config.USER_MODULES=[{fx}/my_parts.py]",),
+      ("config.USER_MODULES", "{fx}/my_parts.py", "does not exist")),
+    R("two-ranks-head-mismatch", ("config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[8,10]}]]"),
+      ("dims[0]=8", "gives 16 features"), tool=False),
+]
+
+
+class Payload:
+    """Unpickling this creates a marker file; no loader may ever do it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def make_fixture_files(fx: Path) -> None:
+    fx.mkdir(parents=True, exist_ok=True)
+    (fx / "unknown_key.yaml").write_text("# @package _global_\nconfig:\n  OPTIMIZER:\n    num_epoch: 3\n")
+    (fx / "malformed.yaml").write_text("# @package _global_\nconfig:\n  DATA:\n    TRAIN: [digits\n  LOG_FREQUENCY: 3\n")
+    (fx / "python_tag.yaml").write_text(
+        f"# @package _global_\nconfig:\n  LOG_FREQUENCY: !!python/object/apply:os.system ['touch {fx}/PWNED']\n"
+    )
+    (fx / "a_list.yaml").write_text("- config\n- LOG_FREQUENCY\n")
+    (fx / "duplicate.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n")
+    (fx / "empty").mkdir(exist_ok=True)
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    paths = []
+    for cls in ("a", "b"):
+        (fx / "images" / cls).mkdir(parents=True, exist_ok=True)
+        for i in range(3):
+            p = fx / "images" / cls / f"{i}.png"
+            Image.fromarray(rng.randint(0, 255, (8, 8, 3), dtype=np.uint8)).save(p)
+            paths.append(str(p))
+    np.save(fx / "images.npy", np.array(paths))
+    np.save(fx / "labels5.npy", np.arange(5))
+    torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")
+    torch.save({"phase_idx": 0, "classy_state_dict": {"base_model": Payload(str(fx / "PWNED"))}}, fx / "payload.torch")
+    (fx / "garbage.torch").write_bytes(b"not a checkpoint")
+
+
+def folder_hashes(folder: Path) -> Dict[str, str]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[rel] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Dict[str, Path]:
+    """Fixture files, a run folder whose training stopped after phase 0, and a fresh folder."""
+    root = tmp_path_factory.mktemp("bad_input")
+    make_fixture_files(root / "fx")
+    run = root / "run"
+    done = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    # make it a run interrupted after phase 0: the final checkpoint goes, the pointer goes back
+    for p in run.glob("model_final_checkpoint_phase*.torch"):
+        p.unlink()
+    ck.point_to(run, "model_phase0.torch")
+    fresh = root / "fresh"
+    fresh.mkdir()
+    (fresh / "notes.txt").write_text("a folder the user made for the run\n")
+    return {"root": root, "fx": root / "fx", "run": run, "fresh": fresh}
+
+
+def _fill(text: str, places: Dict[str, Path]) -> str:
+    return text.replace("{fx}", str(places["fx"]))
+
+
+def _run_row(row: Row, places: Dict[str, Path]) -> dict:
+    folder = places["root"] / "rows" / row.id
+    shutil.copytree(places[row.folder], folder, symlinks=True)
+    before = folder_hashes(folder)
+    args = BASE + [f"config.CHECKPOINT.DIR={folder}"] + [_fill(a, places) for a in row.args]
+    proc = run_tool(args, timeout=240)
+    return {"proc": proc, "folder": folder, "before": before, "after": folder_hashes(folder)}
+
+
+def _run_row_in_process(row: Row, places: Dict[str, Path], capsys) -> dict:
+    from ssl_engine.cli import main
+
+    folder = places["root"] / "rows" / row.id
+    shutil.copytree(places[row.folder], folder, symlinks=True)
+    before = folder_hashes(folder)
+    args = BASE + [f"config.CHECKPOINT.DIR={folder}"] + [_fill(a, places) for a in row.args]
+    capsys.readouterr()
+    try:
+        code = main(args)
+    finally:
+        for h in list(logging.getLogger().handlers):  # main() logs to the console it was given
+            if getattr(h, "_ssl_engine", False):
+                logging.getLogger().removeHandler(h)
+    out = capsys.readouterr()
+    proc = subprocess.CompletedProcess(args, code, out.out, out.err)
+    return {"proc": proc, "folder": folder, "before": before, "after": folder_hashes(folder)}
+
+
+@pytest.fixture(scope="module")
+def results(folders, request) -> Dict[str, dict]:
+    """Run the tool rows selected in this session, two at a time."""
+    wanted = {item.callspec.params["row"].id for item in request.session.items
+              if getattr(item, "callspec", None) and isinstance(item.callspec.params.get("row"), Row)}
+    rows = [r for r in ROWS if r.tool and (r.id in wanted or not wanted)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = list(pool.map(lambda r: _run_row(r, folders), rows))
+    return {r.id: d for r, d in zip(rows, done)}
+
+
+def test_the_table_is_big_enough():
+    assert len({r.id for r in ROWS}) == len(ROWS)
+    assert sum(r.tool for r in ROWS) >= 30  # rows that run the real tool in a subprocess
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id + ("" if r.tool else "-main") for r in ROWS])
+def test_bad_input_row(row: Row, results, folders, capsys):
+    got = results[row.id] if row.tool else _run_row_in_process(row, folders, capsys)
+    proc = got["proc"]
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstderr:\n{err[-3000:]}\nstdout:\n{proc.stdout[-2000:]}"
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one error line:\n{err[-3000:]}"
+    assert "Traceback" not in err
+    for text in row.must:
+        assert _fill(text, folders) in lines[0], f"{_fill(text, folders)!r} not in {lines[0]!r}"
+    assert got["after"] == got["before"], "the checkpoint folder changed"
+    assert not (folders["fx"] / "PWNED").exists(), "a payload ran"
+
+
+def test_debug_shows_the_traceback(folders, tmp_path):
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path}", "config.OPTIMIZER.num_epoch=3", "--debug"])
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Property tests: whatever the user types or writes, compose either works or says why in a
+# ConfigError (a UserError), never another exception.
+
+_KEYS = ["config.LOG_FREQUENCY", "config.OPTIMIZER.num_epochs", "config.DATA.TRAIN.DATA_SOURCES", "config.MODEL",
+         "config.MODEL.HEAD.PARAMS", "config.CHECKPOINT.DIR", "config.SEED_VALUE", "config.OPTIMIZER.weight_decay",
+         "engine_name", "config", "+config.NEW", "++config.X.Y", "~config.VERBOSE", "config.DATA.TRAIN", "hydra.x"]
+_VALUE_CHARS = string.ascii_letters + string.digits + " ,.:;[]{}()'\"=+-_~$/\\!@#%^&*?<>|\t"
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.one_of(
+    st.text(alphabet=_VALUE_CHARS, max_size=30),
+    st.builds(lambda k, v: f"{k}={v}", st.sampled_from(_KEYS), st.text(alphabet=_VALUE_CHARS, max_size=20)),
+), max_size=3))
+def test_random_overrides_compose_or_raise_config_error(overrides):
+    from ssl_engine.config import compose
+
+    try:
+        compose(["config=quick/supervised_digits"] + overrides, warn_unused=False)
+    except ConfigError:
+        pass
+
+
+_yaml_leaf = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True),
+                       st.text(max_size=12))
+_yaml_key = st.one_of(st.sampled_from(["config", "engine_name", "defaults", "DATA", "TRAIN", "LOG_FREQUENCY",
+                                       "OPTIMIZER", "num_epochs", "MODEL", "HEAD", "PARAMS", "hydra"]),
+                      st.text(min_size=1, max_size=8), st.integers(-3, 3))
+_yaml_tree = st.recursive(_yaml_leaf, lambda kids: st.one_of(st.lists(kids, max_size=3),
+                                                             st.dictionaries(_yaml_key, kids, max_size=4)),
+                          max_leaves=12)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.one_of(
+    _yaml_tree.map(lambda t: "# @package _global_\n" + yaml.safe_dump(t)),
+    st.dictionaries(st.just("config"), _yaml_tree, min_size=1).map(lambda t: "# @package _global_\n" + yaml.safe_dump(t)),
+    st.text(max_size=60),
+))
+def test_random_yaml_documents_compose_or_raise_config_error(tmp_path_factory, document):
+    from ssl_engine.config import compose
+    from ssl_engine.config.validate import check_data_paths, check_registered_names
+    from ssl_engine.engines.run import load_builtin_parts
+
+    path = tmp_path_factory.mktemp("doc") / "experiment.yaml"
+    path.write_bytes(document.encode("utf-8", errors="replace"))
+    try:
+        cfg = compose([f"config={path}"], warn_unused=False)
+    except ConfigError:
+        return
+    load_builtin_parts()
+    try:  # the cheap checks the tool runs next must cope with whatever composed
+        check_registered_names(cfg)
+        check_data_paths(cfg)
+    except UserError:
+        pass
+
+
+def test_more_ranks_than_gpus_is_one_line_before_any_process_starts(tmp_path, capsys, monkeypatch):
+    """NUM_PROC_PER_NODE above the GPUs present on a GPU run (one GPU pretended, no rank starts)."""
+    import ssl_engine.launch as launch
+    from ssl_engine.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launch, "RankGroup", None)  # starting ranks would fail loudly
+    monkeypatch.setattr(launch, "_in_process", None)
+    folder = tmp_path / "run"
+    try:
+        code = main(BASE + [f"config.CHECKPOINT.DIR={folder}", "config.MACHINE.DEVICE=gpu",
+                            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
+    finally:
+        for h in list(logging.getLogger().handlers):
+            if getattr(h, "_ssl_engine", False):
+                logging.getLogger().removeHandler(h)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "config.DISTRIBUTED.NUM_PROC_PER_NODE=2" in err[0] and "1 GPU" in err[0], err[0]

@@ -1,0 +1,234 @@
+"""Config composition and validation, in-process: VISSL-style yaml, overrides, unknown keys with
+the closest names, types, ranges, `+key` additions, config=/abs/path.yaml, [compat] warnings,
+and the one-line messages the command-line tool prints."""
+
+import logging
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ssl_engine.config import compose, to_yaml
+from ssl_engine.config.validate import compat_keys, nearest_keys
+from ssl_engine.errors import ConfigError, one_line, unwrap_worker_error
+
+QUICK = "config=quick/supervised_digits"
+
+
+def write_yaml(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_vissl_style_yaml_composes_with_overrides(tmp_path):
+    path = write_yaml(tmp_path, "vissl_style.yaml", """\
+        # @package _global_
+        engine_name: train
+        config:
+          DATA:
+            NUM_DATALOADER_WORKERS: 0
+            TRAIN:
+              DATA_SOURCES: [synthetic]
+              LABEL_SOURCES: [synthetic]
+              DATASET_NAMES: [imagenet1k_folder]
+              BATCHSIZE_PER_REPLICA: 32
+              TRANSFORMS:
+                - name: ToTensor
+          MODEL:
+            TRUNK:
+              NAME: resnet
+              RESNETS:
+                DEPTH: 18
+            HEAD:
+              PARAMS: [[mlp, {dims: [512, 10]}]]
+          OPTIMIZER:
+            name: sgd
+            weight_decay: 1e-4
+            num_epochs: 3
+          MACHINE:
+            DEVICE: cpu
+        """)
+    cfg = compose([f"config={path}", "config.OPTIMIZER.num_epochs=5", "+config.MY_NOTE=hello"])
+    assert cfg.OPTIMIZER.num_epochs == 5
+    assert cfg.OPTIMIZER.weight_decay == pytest.approx(1e-4)  # yaml reads 1e-4 as a string: coerced to float
+    assert cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA == 32
+    assert cfg.MODEL.HEAD.PARAMS == [["mlp", {"dims": [512, 10]}]]
+    assert cfg.MY_NOTE == "hello"
+    assert cfg.CHECKPOINT.AUTO_RESUME is True  # untouched keys keep their defaults
+    assert cfg.engine_name == "train"
+    # the resolved config written into a run folder reads back to the same config
+    plain = compose([f"config={path}", "config.OPTIMIZER.num_epochs=5"])
+    again = write_yaml(tmp_path, "resolved.yaml", to_yaml(plain))
+    assert compose([f"config={again}"]) == plain
+
+
+def test_the_reference_vissl_config_composes():
+    cfg = compose(["config=pretrain/simclr/simclr_8node_resnet", "config.MACHINE.DEVICE=cpu"])
+    assert cfg.LOSS.name == "simclr_info_nce_loss"
+
+
+def test_unknown_key_names_the_closest_keys():
+    with pytest.raises(ConfigError) as e:
+        compose([QUICK, "config.OPTIMIZER.num_epoch=2"])
+    msg = str(e.value)
+    assert "unknown config key config.OPTIMIZER.num_epoch" in msg
+    assert "closest: config.OPTIMIZER.num_epochs" in msg
+    assert "+config.OPTIMIZER.num_epoch=" in msg  # how to add a key of one's own
+
+
+def test_unknown_key_in_a_yaml_file_and_in_the_wrong_section(tmp_path):
+    path = write_yaml(tmp_path, "wrong_section.yaml", """\
+        # @package _global_
+        config:
+          DATA:
+            BATCHSIZE_PER_REPLICA: 8
+        """)
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={path}"])
+    assert "config.DATA.BATCHSIZE_PER_REPLICA" in str(e.value)
+    assert "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA" in str(e.value)
+
+
+def test_nearest_keys_prefers_siblings_then_same_leaf_elsewhere():
+    known = ["config.A.alpha", "config.A.beta", "config.B.gamma", "config.C.gamma"]
+    assert nearest_keys("config.A.alpah", known) == ["config.A.alpha"]
+    assert nearest_keys("config.A.gamma", known) == ["config.B.gamma", "config.C.gamma"]
+    assert nearest_keys("config.A.zzz", known) == []
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("config.OPTIMIZER.num_epochs=two", "config.OPTIMIZER.num_epochs='two' has the wrong type: expected int, got string"),
+        ("config.OPTIMIZER.num_epochs=1.5", "expected int, got float"),
+        ("config.TEST_MODEL=maybe", "config.TEST_MODEL='maybe' has the wrong type: expected bool"),
+        ("config.DATA.TRAIN.DATA_SOURCES=digits", "expected list, got string"),
+        ("config.OPTIMIZER=3", "config.OPTIMIZER=3 has the wrong type: expected mapping"),
+        ("config.LOG_FREQUENCY=null", "config.LOG_FREQUENCY=null has the wrong type: expected int, got null"),
+        ("config.OPTIMIZER.weight_decay=nan", "config.OPTIMIZER.weight_decay=nan is not a finite number"),
+    ],
+)
+def test_wrong_types_name_key_value_and_expected_type(override, expected):
+    with pytest.raises(ConfigError) as e:
+        compose([QUICK, override])
+    assert expected in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4 is out of range"),
+        ("config.OPTIMIZER.num_epochs=0", "config.OPTIMIZER.num_epochs=0 is out of range: expected an integer > 0"),
+        ("config.MACHINE.DEVICE=tpu", "config.MACHINE.DEVICE='tpu' is out of range: expected one of cpu, gpu"),
+        ("config.LOG_FREQUENCY=0", "config.LOG_FREQUENCY=0 is out of range"),
+        ("config.CHECKPOINT.DIR=", "config.CHECKPOINT.DIR='' is out of range: expected a folder path"),
+        ("config.DISTRIBUTED.NUM_PROC_PER_NODE=0", "config.DISTRIBUTED.NUM_PROC_PER_NODE=0 is out of range"),
+    ],
+)
+def test_out_of_range_values(override, expected):
+    with pytest.raises(ConfigError) as e:
+        compose([QUICK, override])
+    assert expected in str(e.value)
+
+
+def test_plus_adds_a_key_but_not_one_that_exists(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = compose([QUICK, "+config.MY_SECTION.SIZE=3", "++config.OTHER=x"])
+    assert cfg.MY_SECTION.SIZE == 3 and cfg.OTHER == "x"
+    assert "config.MY_SECTION" in caplog.text
+    with pytest.raises(ConfigError, match=r"\+config.LOG_FREQUENCY=\.\.\. adds a key that already exists"):
+        compose([QUICK, "+config.LOG_FREQUENCY=3"])
+
+
+def test_config_abs_path_and_missing_names(tmp_path):
+    path = write_yaml(tmp_path, "mine.yaml", "# @package _global_\nconfig:\n  LOG_FREQUENCY: 7\n")
+    assert compose([f"config={path}"]).LOG_FREQUENCY == 7
+    with pytest.raises(ConfigError, match=r"config=quick/supervised_digit matches no file.*nearest: quick/supervised_digits"):
+        compose(["config=quick/supervised_digit"])
+    with pytest.raises(ConfigError, match=r"no such file; nearest in .*: mine\.yaml"):
+        compose([f"config={tmp_path / 'mne.yaml'}"])
+    with pytest.raises(ConfigError, match="config= is empty"):
+        compose(["config="])
+
+
+def test_compat_key_warns_once_naming_it(caplog):
+    key = "config.DATA.TRAIN.COPY_TO_LOCAL_DISK"
+    assert key in compat_keys()
+    with caplog.at_level(logging.WARNING):
+        compose([QUICK, f"{key}=true"])
+    hits = [r for r in caplog.records if key in r.getMessage()]
+    assert len(hits) == 1 and "not acted on" in hits[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        compose([QUICK])  # at its default: no warning
+    assert key not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "name, body, expected",
+    [
+        ("unclosed.yaml", "# @package _global_\nconfig:\n  DATA:\n    TRAIN: [digits\n  LOG_FREQUENCY: 3\n",
+         r"malformed yaml in .*unclosed\.yaml:5: .*\(while parsing a flow sequence at line 4\)"),
+        ("tab.yaml", "# @package _global_\nconfig:\n\tLOG_FREQUENCY: 3\n", r"malformed yaml in .*tab\.yaml:3"),
+        ("dup.yaml", "# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n",
+         r"dup\.yaml:4: duplicate key 'LOG_FREQUENCY' \(first set at line 3\)"),
+        ("list.yaml", "- 1\n- 2\n", r"list\.yaml holds a list, not a mapping"),
+        ("toplevel.yaml", "# @package _global_\nLOG_FREQUENCY: 3\n",
+         r"unknown top-level key 'LOG_FREQUENCY'.*did you mean config\.LOG_FREQUENCY"),
+        ("noheader.yaml", "config:\n  LOG_FREQUENCY: 3\n", r"noheader\.yaml lacks the header line '# @package _global_'"),
+        ("tag.yaml", "# @package _global_\nconfig:\n  LOG_FREQUENCY: !custom 3\n", r"tag\.yaml:3: unknown yaml tag !custom"),
+    ],
+)
+def test_malformed_yaml_names_file_and_line(tmp_path, name, body, expected):
+    path = tmp_path / name
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=expected):
+        compose([f"config={path}"])
+
+
+def test_yaml_python_tags_are_refused_and_never_run(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.yaml"
+    path.write_text(
+        "# @package _global_\nconfig:\n"
+        f"  LOG_FREQUENCY: !!python/object/apply:os.system ['touch {marker}']\n"
+    )
+    with pytest.raises(ConfigError, match=r"evil\.yaml:3: refused the tag !!python/object/apply:os\.system"):
+        compose([f"config={path}"])
+    assert not marker.exists()
+
+
+def test_values_are_never_evaluated(tmp_path):
+    marker = tmp_path / "ran"
+    code = f"__import__('os').system('touch {marker}')"
+    cfg = compose([QUICK, f"config.CHECKPOINT.DIR=\"{code}\""])
+    assert cfg.CHECKPOINT.DIR == code  # kept as text
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("config.OPTIMIZER.num_epochs", "is not of the form key=value"),
+        ("config.MODEL.HEAD.PARAMS=[[mlp,", "override 'config.MODEL.HEAD.PARAMS=[[mlp,' cannot be parsed"),
+        ("config x=1", "has an invalid key"),
+        ("=3", "has an invalid key"),
+    ],
+)
+def test_overrides_that_are_not_key_value(override, expected):
+    with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")):
+        compose([QUICK, override])
+
+
+def test_worker_wrapped_errors_unwrap_to_the_original_line():
+    wrapped = (
+        "rank 1: Caught UserError in DataLoader worker process 0.\n"
+        "Original Traceback (most recent call last):\n"
+        '  File "dataset.py", line 3, in _load\n'
+        "    raise UserError(\n"
+        "ssl_engine.errors.UserError: TRAIN image '/d/a: b.png' cannot be read; set ON_CORRUPT_IMAGE=skip\n"
+    )
+    assert unwrap_worker_error(wrapped) == "rank 1: TRAIN image '/d/a: b.png' cannot be read; set ON_CORRUPT_IMAGE=skip\n"
+    assert one_line(wrapped) == "rank 1: TRAIN image '/d/a: b.png' cannot be read; set ON_CORRUPT_IMAGE=skip"
+    assert one_line("plain\n  text") == "plain text"

@@ -1,0 +1,415 @@
+"""Faults during a run, untrusted files, and the checkpoint-folder lock, through the real tool.
+
+- a disk that fills up while a checkpoint is written (a patched file write raises ENOSPC
+  mid-file) leaves the previous checkpoint and the checkpoint.torch pointer loadable, and stops
+  the run with one line naming the folder;
+- a non-finite loss stops the run naming iteration and phase, with no checkpoint of that state;
+- an image that cannot be decoded is skipped (and named) or fatal, per ON_CORRUPT_IMAGE; the
+  fatal error raised in a dataloader worker of a spawned rank comes out as one line;
+- Ctrl-C ends the run with exit code 130, no partial files, no lock, no leftover process;
+- a second run on a folder in use is refused naming the owner's pid and host; a stale lock
+  (dead pid on this host) is taken over;
+- a pickle payload planted in a checkpoint folder is never run; file names are built from
+  integers and fixed words.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TOOL, run_tool, tool_env
+from ssl_engine import checkpoint as ck
+from ssl_engine.errors import FolderLockedError
+from ssl_engine.lock import LOCK_NAME, FolderLock, check_folder_free
+
+BASE = [
+    "config=quick/supervised_digits",
+    "config.TEST_MODEL=false",
+    "config.DATA.TRAIN.DATA_LIMIT=32",
+    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16",
+    "config.MODEL.TRUNK.NAME=mlp",
+    "config.MODEL.TRUNK.MLP.DIMS=[3072,16]",
+    "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,10]}]]",
+]
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    err = proc.stderr.strip()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"exit {proc.returncode}, stderr:\n{err[-4000:]}"
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def temp_files(folder: Path) -> list:
+    return [p.name for p in folder.iterdir() if ".tmp." in p.name or p.name.endswith(".takeover")]
+
+
+def write_module(folder: Path, name: str, body: str) -> Path:
+    path = folder / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# disk full
+
+
+FULL_DISK = '''\
+    """The disk fills up while model_phase1.torch is written: its temporary file takes 4 KiB,
+    then every write raises ENOSPC, as a real full disk does in the middle of torch.save."""
+    import errno
+    import io
+    import os
+
+    from ssl_engine import checkpoint
+
+    _real_open = open
+
+
+    class _FillsUp(io.FileIO):
+        def write(self, data):
+            if self.tell() + memoryview(data).nbytes > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+
+    def _open(file, mode="r", *args, **kwargs):
+        if os.path.basename(str(file)).startswith(".model_phase1.torch.tmp") and "w" in mode:
+            return _FillsUp(file, "w")
+        return _real_open(file, mode, *args, **kwargs)
+
+
+    checkpoint.open = _open  # the name atomic_write looks up
+'''
+
+
+def test_disk_full_mid_checkpoint_keeps_the_previous_one_and_names_the_folder(tmp_path):
+    module = write_module(tmp_path, "full_disk", FULL_DISK)
+    run = tmp_path / "run"
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=3",
+                            f"config.USER_MODULES=[{module}]"])
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    line = one_error_line(proc)
+    assert str(run) in line and "model_phase1.torch" in line and "disk is full" in line, line
+    assert os.readlink(run / ck.POINTER) == "model_phase0.torch"
+    data = ck.load_checkpoint(run / ck.POINTER)
+    assert data["train_phase_idx"] == 0 and ck.is_engine_checkpoint(data)
+    assert not (run / "model_phase1.torch").exists()
+    assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# non-finite loss
+
+
+NAN_LOSS = '''\
+    """A cross-entropy loss that returns NaN from its third call on."""
+    import torch
+    from classy_vision.losses import ClassyLoss
+
+    from ssl_engine.registry import LOSSES
+
+
+    @LOSSES.register("nan_from_third_step")
+    class NanFromThirdStep(ClassyLoss):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        @classmethod
+        def from_config(cls, config):
+            return cls()
+
+        def forward(self, output, target):
+            output = output[0] if isinstance(output, (list, tuple)) else output
+            target = target[0] if isinstance(target, (list, tuple)) else target
+            self.calls += 1
+            loss = torch.nn.functional.cross_entropy(output, target)
+            return loss * float("nan") if self.calls >= 3 else loss
+'''
+
+
+def test_non_finite_loss_stops_naming_iteration_and_phase_without_checkpointing_it(tmp_path):
+    module = write_module(tmp_path, "nan_loss", NAN_LOSS)
+    run = tmp_path / "run"
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=3",
+                            "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1", "config.LOSS.name=nan_from_third_step",
+                            f"config.USER_MODULES=[{module}]"])
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    line = one_error_line(proc)
+    # two iterations per phase: the third step is iteration 2, the first of phase 1
+    assert "iteration 2" in line and "phase 1" in line and "train" in line, line
+    names = sorted(p.name for p in ck.list_checkpoints(run))
+    assert names == ["model_iteration1.torch", "model_iteration2.torch", "model_phase0.torch"]
+    path, data = ck.newest_good_checkpoint(run)
+    assert data["iteration"] == 2 and torch.isfinite(
+        next(iter(data["classy_state_dict"]["base_model"]["model"]["trunk"].values()))).all()
+    assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# corrupt images
+
+
+@pytest.fixture
+def images_with_a_corrupt_one(tmp_path) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path / "images"
+    rng = np.random.RandomState(0)
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.randint(0, 255, (8, 8, 3), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    (root / "a" / "2.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    return root
+
+
+def _folder_data(images: Path, mode: str) -> list:
+    return ["config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", f"config.DATA.TRAIN.DATA_PATHS=[{images}]",
+            "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_LIMIT=-1",
+            "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2", f"config.DATA.TRAIN.ON_CORRUPT_IMAGE={mode}"]
+
+
+def test_corrupt_image_is_skipped_and_named(tmp_path, images_with_a_corrupt_one):
+    run = tmp_path / "run"
+    proc = run_tool(BASE + _folder_data(images_with_a_corrupt_one, "skip")
+                    + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=1"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    bad = str(images_with_a_corrupt_one / "a" / "2.png")
+    log = (run / "log.txt").read_text()
+    assert f"skipping unreadable TRAIN image '{bad}'" in log
+    assert ck.final_checkpoint(run) is not None
+
+
+def test_corrupt_image_is_fatal_in_one_line_from_a_worker_of_a_spawned_rank(tmp_path, images_with_a_corrupt_one):
+    run = tmp_path / "run"
+    proc = run_tool(BASE + _folder_data(images_with_a_corrupt_one, "error")
+                    + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=1",
+                       "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.DATA.NUM_DATALOADER_WORKERS=1"])
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    line = one_error_line(proc)
+    bad = str(images_with_a_corrupt_one / "a" / "2.png")
+    assert f"TRAIN image '{bad}' cannot be read" in line and "ON_CORRUPT_IMAGE=skip" in line, line
+    assert "Caught" not in line and "DataLoader worker" not in line
+    assert ck.list_checkpoints(run) == [] and temp_files(run) == [] and not (run / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Ctrl-C, and a second run on a folder in use
+
+
+SLOW_STEPS = '''\
+    """A hook that makes each step take a while and says when training has begun."""
+    import time
+    from pathlib import Path
+
+    from ssl_engine.hooks.base import SSLHook
+    from ssl_engine.registry import HOOKS
+
+
+    @HOOKS.register("SlowSteps")
+    class SlowSteps(SSLHook):
+        def __init__(self, marker):
+            super().__init__()
+            self.marker = Path(marker)
+
+        def on_step(self, task):
+            self.marker.touch()
+            time.sleep(0.2)
+'''
+
+
+def _group_is_gone(pgid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_second_run_on_a_busy_folder_is_refused_and_ctrl_c_stops_cleanly(tmp_path):
+    module = write_module(tmp_path, "slow_steps", SLOW_STEPS)
+    run = tmp_path / "run"
+    marker = tmp_path / "training_started"
+    first = subprocess.Popen(
+        [sys.executable, TOOL, *BASE, f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=200",
+         "config.DATA.NUM_DATALOADER_WORKERS=2", f"config.USER_MODULES=[{module}]",
+         f"config.HOOKS.CUSTOM=[{{name:SlowSteps,params:{{marker:{marker}}}}}]"],
+        cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), f"training did not start: {first.poll()} {first.stderr.read()[-3000:] if first.poll() is not None else ''}"
+        owner = json.loads((run / LOCK_NAME).read_text())
+        assert owner["pid"] == first.pid and owner["host"] == socket.gethostname()
+
+        second = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=200"])
+        assert second.returncode == 2, second.stderr[-3000:]
+        line = one_error_line(second)
+        assert f"pid {first.pid} on host {socket.gethostname()}" in line and str(run / LOCK_NAME) in line, line
+
+        os.killpg(first.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == 130, err[-4000:]
+    assert "interrupted" in err and "Traceback" not in err, err[-4000:]
+    assert _group_is_gone(first.pid), "processes of the interrupted run are still alive"
+    assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
+    found = ck.newest_good_checkpoint(run)
+    assert found is not None  # what was written before Ctrl-C still loads
+
+
+def test_stale_lock_is_taken_over_and_a_planted_payload_never_runs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_ticks": 1,
+                                             "started": "2000-01-01 00:00:00", "token": "old"}))
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"phase_idx": 3, "classy_state_dict": {"base_model": Payload()}}, run / "model_phase3.torch")
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=1"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = (run / "log.txt").read_text()
+    assert f"taking over the stale lock of checkpoint folder {run}" in log and f"pid {dead.pid}" in log
+    assert "skipping checkpoint model_phase3.torch" in log
+    assert not marker.exists()
+    assert not (run / LOCK_NAME).exists() and ck.final_checkpoint(run) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# the lock itself, across processes
+
+
+HOLD = "from ssl_engine.lock import FolderLock; import sys, time; l = FolderLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(60)"
+
+RACE = textwrap.dedent("""\
+    import sys, time
+    from ssl_engine.errors import FolderLockedError
+    from ssl_engine.lock import FolderLock
+    while time.time() < float(sys.argv[2]):
+        pass
+    lock = FolderLock(sys.argv[1])
+    try:
+        lock.acquire()
+        print("got", flush=True)
+        time.sleep(8)
+        lock.release()
+    except FolderLockedError as e:
+        print("refused", e, flush=True)
+""")
+
+
+def test_lock_held_by_a_live_process_is_refused_naming_it(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env=tool_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(FolderLockedError, match=f"pid {holder.pid} on host {socket.gethostname()}"):
+            check_folder_free(tmp_path)
+        with pytest.raises(FolderLockedError, match="in use by another training run"):
+            FolderLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    # killed without releasing: the lock is stale now, and taken over
+    lock = FolderLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_two_processes_racing_for_one_folder_get_it_once(tmp_path):
+    start = str(time.time() + 4.0)
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), start], stdout=subprocess.PIPE, text=True,
+                              env=tool_env()) for _ in range(3)]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert sorted(o.split()[0] for o in outs) == ["got", "refused", "refused"], outs
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_lock_from_another_host_is_refused_unless_it_is_this_slurm_job(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 4242, "host": "some-other-node", "slurm_job_id": "77",
+                                                  "token": "theirs"}))
+    with pytest.raises(FolderLockedError, match=r"pid 4242 on host some-other-node.*delete .*train\.lock"):
+        FolderLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # this job, requeued on another node: its old lock is stale
+    lock = FolderLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.record["token"]
+    lock.release()
+
+
+def test_reused_pid_and_garbled_lock_are_stale_and_release_never_removes_anothers_lock(tmp_path):
+    # our parent runs, but started at another time than the lock says: its pid was reused
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                                  "start_ticks": -5, "token": "old"}))
+    lock = FolderLock(tmp_path)
+    lock.acquire()
+    # someone else's lock replaced ours (e.g. by hand): release leaves it alone
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "x", "token": "someone"}))
+    lock.release()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == "someone"
+    # a garbled lock file older than a few seconds is taken over
+    (tmp_path / LOCK_NAME).write_text("{not json")
+    old = time.time() - 60
+    os.utime(tmp_path / LOCK_NAME, (old, old))
+    with FolderLock(tmp_path) as held:
+        assert held.held
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# names of written files
+
+
+def test_checkpoint_names_are_built_from_integers_only():
+    assert ck.phase_checkpoint_name(3) == "model_phase3.torch"
+    assert ck.iteration_checkpoint_name(120) == "model_iteration120.torch"
+    assert ck.final_checkpoint_name(9) == "model_final_checkpoint_phase9.torch"
+    for trick in ("../../etc/passwd", "1/../x", "1; rm"):
+        for make in (ck.phase_checkpoint_name, ck.iteration_checkpoint_name, ck.final_checkpoint_name):
+            with pytest.raises((ValueError, TypeError)):
+                make(trick)
+
+
+def test_feature_layer_names_in_a_config_cannot_leave_the_folder():
+    from ssl_engine.config import compose
+    from ssl_engine.engines.run import load_builtin_parts
+    from ssl_engine.errors import UserError
+    from ssl_engine.models import build_model
+
+    load_builtin_parts()
+    cfg = compose(["config=quick/linear_eval_digits",
+                   "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP="
+                   "[[../../outside,[Identity,[]]],[res4,[AdaptiveAvgPool2d,[[2,2]]]]]"])
+    with pytest.raises(UserError, match="unknown trunk layer '../../outside'"):
+        build_model(cfg.MODEL, cfg.OPTIMIZER)

@@ -1,0 +1,136 @@
+"""W-checkpoint: saving and loading a ResNet-50 checkpoint with optimizer state.
+
+The engine's task for a ResNet-50 trunk + Linear(2048, 1000) head with SGD momentum 0.9, after
+one update (so every parameter has a momentum buffer): about 25.6M parameters, ~205 MB on disk.
+
+- engine save: ``CheckpointHook``'s ``write_checkpoint`` (build the state through
+  ``task.get_classy_state``, write it to a temporary file, fsync, rename, fsync the folder,
+  swap the ``checkpoint.torch`` link);
+- bare save: ``torch.save`` of the very same checkpoint dict to a path (no fsync);
+- engine load: ``load_checkpoint`` (``torch.load(weights_only=True)`` with its checks), and
+  resume: that plus ``task.set_classy_state``;
+- bare load: ``torch.load(path, weights_only=True)``.
+
+The files are in the page cache when read back (both sides alike). Repeats alternate the
+order; figures are medians.
+"""
+
+import os
+import tempfile
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from benchmarks.common import (
+    Row,
+    at_most,
+    compose_config,
+    engine_logging,
+    median,
+    random_data,
+    remove_tree,
+    rotate,
+    set_memory_data,
+)
+
+WORKLOAD = "W-checkpoint"
+
+
+def overrides() -> List[str]:
+    return [
+        "config.MACHINE.DEVICE=cpu",
+        "config.DATA.NUM_DATALOADER_WORKERS=0",
+        "config.DATA.PIN_MEMORY=false",
+        "config.DATA.TRAIN.DATA_SOURCES=[bench_memory]",
+        "config.DATA.TRAIN.LABEL_SOURCES=[bench_memory]",
+        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2",
+        "config.TEST_MODEL=false",
+        "config.MODEL.TRUNK.NAME=resnet",
+        "config.MODEL.TRUNK.RESNETS.DEPTH=50",
+        "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[2048,1000]}]]",
+        "config.LOSS.name=cross_entropy_multiple_output_single_target",
+        "config.OPTIMIZER.name=sgd",
+        "config.OPTIMIZER.momentum=0.9",
+        "config.OPTIMIZER.num_epochs=1",
+        "config.OPTIMIZER.param_schedulers.lr.name=constant",
+        "config.OPTIMIZER.param_schedulers.lr.value=0.1",
+    ]
+
+
+def build_task(folder: str) -> Any:
+    """The engine's task, prepared, with a momentum buffer for every parameter."""
+    from ssl_engine.hooks import CheckpointHook
+    from ssl_engine.trainer import SelfSupervisionTrainer
+
+    set_memory_data("TRAIN", *random_data(4, (3, 32, 32), 1000, seed=0))
+    cfg = compose_config(overrides())
+    cfg.CHECKPOINT.DIR = folder
+    trainer = SelfSupervisionTrainer(cfg, checkpoint_folder=folder, hooks=[CheckpointHook()])
+    task = trainer.setup()
+    for p in task.base_model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    task.optimizer.step()
+    task.optimizer.zero_grad()
+    return task
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(repeats: int = 3, **_: Any) -> List[Row]:
+    from ssl_engine.checkpoint import load_checkpoint
+    from ssl_engine.hooks.checkpoint_hook import build_checkpoint, write_checkpoint
+
+    folder = tempfile.mkdtemp(prefix="bench_ckpt_", dir=os.environ.get("BENCH_CHECKPOINT_DIR"))
+    times: Dict[str, List[float]] = {}
+    try:
+        with engine_logging(folder):
+            task = build_task(folder)
+            ckpt = build_checkpoint(task, "phase")
+            bare = os.path.join(folder, "bare.torch")
+            engine_name = "model_phase0.torch"
+            size_mb = 0.0
+            path = os.path.join(folder, engine_name)
+            for r in range(repeats):
+                # both saves, then both loads in the same order: a load never comes straight
+                # after the write of its own file
+                for side in rotate(["bare", "engine"], r):
+                    if side == "bare":
+                        times.setdefault("bare_save", []).append(timed(lambda: torch.save(ckpt, bare)))
+                    else:
+                        times.setdefault("engine_save", []).append(
+                            timed(lambda: write_checkpoint(task, engine_name, "phase")))
+                for side in rotate(["bare", "engine"], r):
+                    if side == "bare":
+                        times.setdefault("bare_load", []).append(
+                            timed(lambda: torch.load(bare, map_location="cpu", weights_only=True)))
+                    else:
+                        times.setdefault("engine_load", []).append(timed(lambda: load_checkpoint(path)))
+                state = load_checkpoint(path)["classy_state_dict"]
+                times.setdefault("engine_apply", []).append(timed(lambda: task.set_classy_state(state)))
+                size_mb = os.path.getsize(bare) / 2**20
+                os.remove(bare)
+                os.remove(path)
+    finally:
+        remove_tree(folder)
+
+    def pair_ratio(a: str, b: str) -> float:
+        return median([x / y for x, y in zip(times[a], times[b])])
+
+    save_ratio = pair_ratio("engine_save", "bare_save")
+    load_ratio = pair_ratio("engine_load", "bare_load")
+    resume = [a + b for a, b in zip(times["engine_load"], times["engine_apply"])]
+    note = f"{size_mb:.0f} MB file"
+    return [
+        Row(WORKLOAD, "save (engine: state + atomic write + fsync)", median(times["engine_save"]), "s",
+            median(times["bare_save"]), save_ratio, "<= 1.2x", at_most(save_ratio, 1.2), note,
+            extra={k: v for k, v in times.items()}),
+        Row(WORKLOAD, "load (engine load_checkpoint vs torch.load)", median(times["engine_load"]), "s",
+            median(times["bare_load"]), load_ratio, "", "", note),
+        Row(WORKLOAD, "resume (load_checkpoint + set_classy_state)", median(resume), "s",
+            median(times["bare_load"]), median([a / b for a, b in zip(resume, times["bare_load"])]), "", "", note),
+    ]

@@ -1,22 +1,210 @@
-"""The extract_features engine: write features of chosen layers for each split."""
+"""The extract_features engine: write features of chosen layers for each split.
 
+``engine_name: extract_features`` (or ``--engine=extract_features`` on the command line) builds
+the model of the config, loads its weights only (no optimizer, no counters, so a finished
+training is no obstacle), sets eval mode and runs each split of EXTRACT_FEATURES.SPLITS once,
+streaming shards to EXTRACT_FEATURES.OUTPUT_DIR (see ssl_engine.features). Weights come from,
+in this order: MODEL.WEIGHTS_INIT.PARAMS_FILE, CHECKPOINT.RESUME_FROM, the newest good
+checkpoint of CHECKPOINT.DIR; with none of them the model keeps its seeded random init (the
+same on every rank), which is what a "random trunk" baseline needs.
+
+Ranks get uneven shares of each split (no padding: extraction has no per-step collectives),
+so every sample index is written exactly once.
+"""
+
+import copy
 import logging
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, List, Optional
 
+import numpy as np
+import torch
+
+from ssl_engine import distributed as du
+from ssl_engine.checkpoint import load_checkpoint, newest_good_checkpoint
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo
+from ssl_engine.errors import CheckpointError, UserError
+from ssl_engine.features import ShardWriter, remove_shards
 from ssl_engine.registry import ENGINES
 from ssl_engine.trainer import SelfSupervisionTrainer
 
 log = logging.getLogger(__name__)
 
+SPLITS = ("TRAIN", "TEST")
+
+
+def extraction_splits(cfg: AttrDict) -> List[str]:
+    """EXTRACT_FEATURES.SPLITS in upper case, default every split that has DATA_SOURCES."""
+    with_data = [s for s in SPLITS if cfg.DATA[s].DATA_SOURCES]
+    asked = [str(s).upper() for s in cfg.EXTRACT_FEATURES.SPLITS] or with_data
+    for s in asked:
+        if s not in SPLITS:
+            raise UserError(f"config.EXTRACT_FEATURES.SPLITS has {s!r}; valid: {', '.join(SPLITS)}")
+        if s not in with_data:
+            raise UserError(
+                f"config.EXTRACT_FEATURES.SPLITS asks for {s} but config.DATA.{s}.DATA_SOURCES is empty; "
+                f"name its data or leave {s} out"
+            )
+    if not asked:
+        raise UserError("nothing to extract: config.DATA.TRAIN.DATA_SOURCES and config.DATA.TEST.DATA_SOURCES are empty")
+    return list(dict.fromkeys(asked))
+
+
+def extraction_config(cfg: AttrDict) -> AttrDict:
+    """The config the task of an extraction is built from.
+
+    No batch is dropped (DROP_LAST off). A config with TEST data builds as TEST_ONLY, so the
+    task prepares no training loader or optimizer (extraction builds its own loaders); one
+    with TRAIN data only gets an optimizer it never steps, so nothing may be frozen for it
+    (freezing changes nothing here: extraction computes no gradients).
+    """
+    out = AttrDict(copy.deepcopy(cfg.to_dict()))
+    for s in SPLITS:
+        out.DATA[s].DROP_LAST = False
+    if out.DATA.TEST.DATA_SOURCES:
+        out.TEST_ONLY = True
+    else:
+        out.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_ONLY = False
+        out.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_AND_HEAD = False
+    return out
+
+
+def output_dir(cfg: AttrDict) -> Path:
+    """EXTRACT_FEATURES.OUTPUT_DIR, or CHECKPOINT.DIR when it is empty."""
+    return Path(str(cfg.EXTRACT_FEATURES.OUTPUT_DIR or cfg.CHECKPOINT.DIR)).expanduser()
+
+
+def weights_checkpoint(cfg: AttrDict) -> Optional[str]:
+    """The checkpoint whose model weights are extracted (None: PARAMS_FILE or random init)."""
+    if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
+        return None
+    if cfg.CHECKPOINT.RESUME_FROM:
+        path = Path(str(cfg.CHECKPOINT.RESUME_FROM)).expanduser()
+        if not path.is_file():
+            raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
+        return str(path)
+    found = newest_good_checkpoint(Path(str(cfg.CHECKPOINT.DIR)))
+    return str(found[0]) if found else None
+
+
+def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:
+    """Put the weights to extract into ``task.base_model``; returns where they came from."""
+    cfg = task.config
+    if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
+        from ssl_engine.checkpoint import init_model_from_weights
+
+        init_model_from_weights(task.base_model, cfg.MODEL.WEIGHTS_INIT)
+        return str(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)
+    if checkpoint_path:
+        data = load_checkpoint(Path(checkpoint_path))
+        try:
+            state = data["classy_state_dict"]["base_model"]
+        except (KeyError, TypeError):
+            raise CheckpointError(
+                f"{checkpoint_path} holds no classy_state_dict.base_model; for other files use "
+                f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+            ) from None
+        try:
+            task.load_model_state(state)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"the model weights of {checkpoint_path} do not fit the config's MODEL ({first[:200]}); "
+                f"use the MODEL of its training, or config.MODEL.WEIGHTS_INIT.PARAMS_FILE to load what matches"
+            ) from None
+        return checkpoint_path
+    log.warning(
+        "no MODEL.WEIGHTS_INIT.PARAMS_FILE and no checkpoint in %s: extracting features of a randomly "
+        "initialised model (seed %d)", cfg.CHECKPOINT.DIR, cfg.SEED_VALUE,
+    )
+    return "random init"
+
+
+def _targets(batch: Dict[str, Any], n: int) -> np.ndarray:
+    labels = batch.get("label") or []
+    if not labels:
+        return np.full(n, -1, dtype=np.int64)
+    if len(labels) == 1:
+        return labels[0].cpu().numpy()
+    return torch.stack([lab.reshape(n, -1)[:, 0] for lab in labels], dim=1).cpu().numpy()
+
+
+def extraction_loader(task: Any, split: str) -> Any:
+    """A loader over ``split`` in dataset order, each sample on exactly one rank (no padding)."""
+    from ssl_engine.data import build_dataloader, build_dataset
+
+    if split not in task.datasets:
+        task.datasets[split] = build_dataset(task.config, split)
+    return build_dataloader(
+        task.datasets[split], task.config, split, task.rank, task.world_size, task.config.MACHINE.DEVICE,
+        pad=False, shuffle=False,
+    )
+
+
+def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
+    """Run ``split`` through the model once, writing a shard every CHUNK_THRESHOLD samples.
+
+    Returns this split's summary: samples on all ranks, per-layer feature shape and dtype,
+    chunks of this rank, seconds.
+    """
+    cfg = task.config
+    t0 = time.perf_counter()
+    if du.is_primary():
+        removed = remove_shards(folder, split)
+        if removed:
+            log.info("removed %d shard files of an earlier %s extraction in %s", removed, split.lower(), folder)
+    du.barrier()
+    loader = extraction_loader(task, split)
+    writer = ShardWriter(folder, task.rank, split, cfg.EXTRACT_FEATURES.CHUNK_THRESHOLD)
+    non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
+    model = task.base_model
+    for batch in loader:
+        views, inds = batch["data"], batch["data_idx"][0]
+        unique = len(np.unique(inds.numpy()))
+        if len(views) != 1 or unique != len(inds):
+            raise UserError(
+                f"config.DATA.{split}.TRANSFORMS / COLLATE_FUNCTION give "
+                f"{max(len(views), len(inds) // max(unique, 1))} views per sample; feature extraction needs one "
+                f"(remove ImgReplicatePil / multi-crop transforms and use COLLATE_FUNCTION default_collate)"
+            )
+        with task.autocast():
+            feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
+        arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
+        writer.add(arrays, _targets(batch, len(inds)), inds.numpy())
+    writer.close()
+    counts = du.all_gather_object(writer.num_samples)
+    return {
+        "split": split.lower(),
+        "samples": int(sum(counts)),
+        "samples_per_rank": counts,
+        "layers": {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()},
+        "chunks": writer.chunk,
+        "seconds": time.perf_counter() - t0,
+        "folder": str(folder),
+    }
+
+
+def log_summary(summaries: List[Dict[str, Any]], source: str) -> None:
+    """One line per split and layer: samples, feature shape, seconds (rank 0)."""
+    if not du.is_primary():
+        return
+    log.info("extracted features of %s", source)
+    for s in summaries:
+        rate = s["samples"] / max(s["seconds"], 1e-9)
+        for layer, info in s["layers"].items():
+            log.info(
+                "  %s %s: %d samples, features %s %s, %d chunk(s) on rank 0, %.1f s (%.0f samples/s) -> %s",
+                s["split"], layer, s["samples"], [s["samples"]] + info["shape"], info["dtype"], s["chunks"],
+                s["seconds"], rate, s["folder"],
+            )
+
 
 @ENGINES.register("extract_features")
 def extract_features_engine(cfg: AttrDict, info: RankInfo) -> Any:
-    from ssl_engine.engines.train import resume_checkpoint
-
-    checkpoint_path = None if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE else resume_checkpoint(cfg)
-    trainer = SelfSupervisionTrainer(cfg, info.init_method, checkpoint_path, str(Path(cfg.CHECKPOINT.DIR)), [],
+    ext_cfg = extraction_config(cfg)
+    extraction_splits(ext_cfg)  # check the splits before building anything
+    trainer = SelfSupervisionTrainer(ext_cfg, info.init_method, weights_checkpoint(ext_cfg), str(cfg.CHECKPOINT.DIR), [],
                                      local_rank=info.local_rank)
     return trainer.extract()

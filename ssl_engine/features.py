@@ -1,0 +1,267 @@
+"""Extracted feature shards: writing them as the data streams by, and reading them back.
+
+A rank writes, for each split and layer, one shard every ``EXTRACT_FEATURES.CHUNK_THRESHOLD``
+samples, with VISSL's names::
+
+    <folder>/rank{R}_chunk{C}_{split}_{layer}_features.npy   [n, D] (or [n, C, H, W] unflattened)
+    <folder>/rank{R}_chunk{C}_{split}_{layer}_targets.npy    [n] (or [n, L] with several labels)
+    <folder>/rank{R}_chunk{C}_{split}_{layer}_inds.npy       [n] int64 sample indices
+
+(``split`` in lower case). Every file is written to a temporary name and renamed into place,
+so a reader never sees half a shard, and a rank never holds more than one chunk of a split in
+memory. :func:`load_features` merges the shards of all ranks and chunks, sorted by index;
+:func:`iter_shards` walks them one at a time without loading the rest.
+"""
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ssl_engine.checkpoint import atomic_write
+from ssl_engine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_THRESHOLD = 4096
+KINDS = ("features", "targets", "inds")
+_SHARD_RE = re.compile(r"^rank(\d+)_chunk(\d+)_([a-z0-9]+)_(.+)_(features|targets|inds)\.npy$")
+
+
+class FeatureShardError(UserError):
+    """A features folder has no shards for what was asked, or shards that do not fit together."""
+
+
+def shard_path(folder: Path, rank: int, chunk: int, split: str, layer: str, kind: str) -> Path:
+    """The file of one shard part: ``rank{R}_chunk{C}_{split}_{layer}_{kind}.npy``."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return Path(folder) / f"rank{int(rank)}_chunk{int(chunk)}_{split.lower()}_{layer}_{kind}.npy"
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """``np.save`` through a temporary file in the same folder, renamed into place."""
+    atomic_write(Path(path), lambda f: np.save(f, array, allow_pickle=False))
+
+
+def _index(folder: Path) -> Dict[Tuple[str, str], Dict[Tuple[int, int], Dict[str, Path]]]:
+    """{(split, layer): {(rank, chunk): {kind: path}}} of the shard files in ``folder``."""
+    out: Dict[Tuple[str, str], Dict[Tuple[int, int], Dict[str, Path]]] = {}
+    for p in Path(folder).iterdir():
+        m = _SHARD_RE.match(p.name)
+        if m and p.is_file():
+            rank, chunk, split, layer, kind = int(m[1]), int(m[2]), m[3], m[4], m[5]
+            out.setdefault((split, layer), {}).setdefault((rank, chunk), {})[kind] = p
+    return out
+
+
+def available(folder: Path) -> List[Tuple[str, str]]:
+    """The (split, layer) pairs that have shards in ``folder``, sorted."""
+    folder = Path(folder)
+    return sorted(_index(folder)) if folder.is_dir() else []
+
+
+def remove_shards(folder: Path, split: str, layers: Optional[Sequence[str]] = None) -> int:
+    """Delete the shards of ``split`` (and ``layers``, default all) so a new extraction starts clean.
+
+    Without this, shards left by an earlier extraction with more ranks or chunks would be merged
+    with the new ones. Returns the number of files removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    for (s, layer), shards in _index(folder).items():
+        if s != split.lower() or (layers is not None and layer not in layers):
+            continue
+        for parts in shards.values():
+            for p in parts.values():
+                p.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+@dataclass
+class FeatureShard:
+    """One chunk of one rank: features, targets and inds of the same samples."""
+
+    rank: int
+    chunk: int
+    features: np.ndarray
+    targets: np.ndarray
+    inds: np.ndarray
+
+
+def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, int], Dict[str, Path]]]:
+    """The (rank, chunk) -> files of one split and layer, sorted; a clear error when none or partial."""
+    folder = Path(folder)
+    split = split.lower()
+    if not folder.is_dir():
+        raise FeatureShardError(f"features folder {folder} does not exist")
+    index = _index(folder)
+    shards = index.get((split, layer))
+    if not shards:
+        have = ", ".join(f"{s}/{l}" for s, l in sorted(index)) or "none"
+        raise FeatureShardError(
+            f"no feature shards for split {split!r} and layer {layer!r} in {folder} "
+            f"(expected rank{{R}}_chunk{{C}}_{split}_{layer}_features.npy; split/layer found: {have})"
+        )
+    for (rank, chunk), parts in sorted(shards.items()):
+        missing = [k for k in KINDS if k not in parts]
+        if missing:
+            raise FeatureShardError(
+                f"inconsistent feature shards in {folder}: rank{rank}_chunk{chunk}_{split}_{layer} has no "
+                f"{', '.join(missing)} file; extract again"
+            )
+    ranks = sorted({r for r, _ in shards})
+    if ranks != list(range(len(ranks))):
+        raise FeatureShardError(
+            f"inconsistent feature shards in {folder}: split {split!r} layer {layer!r} has shards of ranks "
+            f"{ranks}, not 0..{len(ranks) - 1}; extract again into an empty folder"
+        )
+    return sorted(shards.items())
+
+
+def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> FeatureShard:
+    mode = "r" if mmap else None
+    try:
+        arrays = {k: np.load(parts[k], mmap_mode=mode, allow_pickle=False) for k in KINDS}
+    except (ValueError, OSError, EOFError) as e:
+        raise FeatureShardError(f"cannot read feature shard {parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*: {e}") from None
+    n = {k: len(a) for k, a in arrays.items()}
+    if len(set(n.values())) != 1:
+        raise FeatureShardError(
+            f"inconsistent feature shard {parts['features'].name}: features, targets and inds have "
+            f"{n['features']}, {n['targets']} and {n['inds']} rows; extract again"
+        )
+    return FeatureShard(key[0], key[1], arrays["features"], arrays["targets"], arrays["inds"])
+
+
+def iter_shards(folder: Path, split: str, layer: str, mmap: bool = True) -> Iterator[FeatureShard]:
+    """The shards of ``split`` / ``layer`` one at a time, by rank then chunk.
+
+    With ``mmap`` (default) the arrays are memory-mapped: only what is touched is read.
+    """
+    for key, parts in _shard_paths(Path(folder), split, layer):
+        yield _read_shard(key, parts, mmap)
+
+
+def load_features(folder: Path, split: str, layer: str, flatten: bool = True) -> Dict[str, np.ndarray]:
+    """Every shard of ``split`` / ``layer`` merged across ranks and chunks, sorted by sample index.
+
+    Returns ``{"features": [N, D] (or the stored shape with flatten=False), "targets": [N, ...],
+    "inds": [N]}``. Raises FeatureShardError (a UserError) when the folder has no shards for
+    them, or shards that disagree (missing parts, differing feature shapes, an index twice,
+    missing indices).
+    """
+    folder = Path(folder)
+    shards = [_read_shard(k, p, mmap=True) for k, p in _shard_paths(folder, split, layer)]
+    feat_shape = shards[0].features.shape[1:]
+    target_shape = shards[0].targets.shape[1:]
+    for s in shards:
+        if s.features.shape[1:] != feat_shape or s.targets.shape[1:] != target_shape:
+            raise FeatureShardError(
+                f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: "
+                f"rank{s.rank}_chunk{s.chunk} has features {tuple(s.features.shape[1:])} and targets "
+                f"{tuple(s.targets.shape[1:])} per sample, rank{shards[0].rank}_chunk{shards[0].chunk} has "
+                f"{tuple(feat_shape)} and {tuple(target_shape)}; extract again into an empty folder"
+            )
+    inds = np.concatenate([np.asarray(s.inds, dtype=np.int64) for s in shards])
+    order = np.argsort(inds, kind="stable")
+    sorted_inds = inds[order]
+    if len(sorted_inds) > 1:
+        dup = np.flatnonzero(sorted_inds[1:] == sorted_inds[:-1])
+        if len(dup):
+            raise FeatureShardError(
+                f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: sample index "
+                f"{int(sorted_inds[dup[0]])} appears in more than one shard ({len(dup)} repeats); "
+                f"shards of two extractions are mixed, extract again into an empty folder"
+            )
+    n = len(sorted_inds)
+    if n and (sorted_inds[0] != 0 or sorted_inds[-1] != n - 1):
+        expected = int(sorted_inds[-1]) + 1
+        raise FeatureShardError(
+            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {n} samples but indices "
+            f"run from {int(sorted_inds[0])} to {expected - 1}; {expected - n} are missing (a shard was "
+            f"removed or a rank did not finish), extract again"
+        )
+    features = np.empty((n,) + tuple(feat_shape), dtype=shards[0].features.dtype)
+    targets = np.empty((n,) + tuple(target_shape), dtype=shards[0].targets.dtype)
+    for s in shards:  # scatter each shard straight to its sorted rows: one copy, no concatenation
+        dest = np.asarray(s.inds, dtype=np.int64)
+        features[dest] = s.features
+        targets[dest] = s.targets
+    if flatten:
+        features = features.reshape(n, -1)
+    return {"features": features, "targets": targets, "inds": sorted_inds}
+
+
+class ShardWriter:
+    """Buffers the features of one rank and split, and writes a shard every ``chunk_threshold`` samples.
+
+    ``add`` takes a batch: ``{layer: [n, ...] array}``, targets ``[n, ...]`` and inds ``[n]``.
+    Memory stays below one chunk plus one batch whatever the size of the split.
+    """
+
+    def __init__(self, folder: Path, rank: int, split: str, chunk_threshold: int = DEFAULT_CHUNK_THRESHOLD) -> None:
+        self.folder = Path(folder)
+        self.rank = int(rank)
+        self.split = split.lower()
+        self.chunk_threshold = int(chunk_threshold) if chunk_threshold and chunk_threshold > 0 else DEFAULT_CHUNK_THRESHOLD
+        self.chunk = 0
+        self.num_samples = 0
+        self.shapes: Dict[str, Tuple[int, ...]] = {}
+        self.dtypes: Dict[str, np.dtype] = {}
+        self._feats: Dict[str, List[np.ndarray]] = {}
+        self._targets: List[np.ndarray] = []
+        self._inds: List[np.ndarray] = []
+        self._buffered = 0
+
+    @property
+    def layers(self) -> List[str]:
+        return list(self.shapes)
+
+    def add(self, features: Dict[str, np.ndarray], targets: np.ndarray, inds: np.ndarray) -> None:
+        n = len(inds)
+        if not self.shapes:
+            self.shapes = {k: tuple(v.shape[1:]) for k, v in features.items()}
+            self.dtypes = {k: v.dtype for k, v in features.items()}
+            self._feats = {k: [] for k in features}
+        if set(features) != set(self.shapes):
+            raise ValueError(f"batch has layers {sorted(features)}, earlier batches had {sorted(self.shapes)}")
+        for k, v in features.items():
+            if len(v) != n:
+                raise ValueError(f"layer {k!r} has {len(v)} rows for {n} sample indices")
+            self._feats[k].append(v)
+        self._targets.append(targets)
+        self._inds.append(np.asarray(inds, dtype=np.int64))
+        self._buffered += n
+        self.num_samples += n
+        while self._buffered >= self.chunk_threshold:
+            self._flush(self.chunk_threshold)
+
+    def close(self) -> None:
+        """Write what is left as the last (smaller) chunk."""
+        if self._buffered:
+            self._flush(self._buffered)
+
+    def _take(self, parts: List[np.ndarray], rows: int) -> Tuple[np.ndarray, List[np.ndarray]]:
+        """The first ``rows`` rows of the buffered arrays, and the rest."""
+        merged = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        rest = [merged[rows:].copy()] if len(merged) > rows else []  # a copy frees the merged block
+        return merged[:rows], rest
+
+    def _flush(self, rows: int) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        targets, self._targets = self._take(self._targets, rows)
+        inds, self._inds = self._take(self._inds, rows)
+        for layer in self.shapes:
+            feats, self._feats[layer] = self._take(self._feats[layer], rows)
+            save_npy(shard_path(self.folder, self.rank, self.chunk, self.split, layer, "features"), feats)
+            save_npy(shard_path(self.folder, self.rank, self.chunk, self.split, layer, "targets"), targets)
+            save_npy(shard_path(self.folder, self.rank, self.chunk, self.split, layer, "inds"), inds)
+        self._buffered -= rows
+        self.chunk += 1

@@ -1,0 +1,103 @@
+"""Weighted k-nearest-neighbour classification of extracted features (InstDisc / VISSL style).
+
+Features are L2-normalised, so the similarity is the cosine. Each test sample's ``topk``
+most similar train samples vote for their label with weight ``exp(similarity / sigma)``;
+classes are ranked by their summed votes and top-k accuracies are read off that ranking.
+The test set is processed ``chunk_size`` samples at a time, so memory holds the train
+features plus one [chunk_size, N_train] similarity block, whatever the test set's size.
+"""
+
+import logging
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ssl_engine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def _as_tensor(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
+
+
+def _labels(y: np.ndarray) -> np.ndarray:
+    """[N] labels; of [N, L] targets (several label sources) the first column."""
+    y = np.asarray(y)
+    return y[:, 0] if y.ndim > 1 else y.reshape(-1)
+
+
+def knn_accuracy(
+    train_features: np.ndarray,
+    train_labels: np.ndarray,
+    test_features: np.ndarray,
+    test_labels: np.ndarray,
+    topk: int = 200,
+    sigma: float = 0.1,
+    topk_list: Sequence[int] = (1, 5),
+    chunk_size: int = 1024,
+    num_classes: Optional[int] = None,
+    device: str = "cpu",
+) -> Dict[int, float]:
+    """Top-k accuracies in percent, ``{k: accuracy}`` for each k of ``topk_list``.
+
+    ``train_features`` [N, D] and ``test_features`` [M, D] (flattened if not), integer labels
+    [N] and [M]. ``topk`` is capped at N. ``num_classes`` defaults to the largest label + 1.
+    """
+    train = _as_tensor(np.asarray(train_features).reshape(len(train_features), -1), torch.float32).to(device)
+    test = np.asarray(test_features).reshape(len(test_features), -1)
+    ytrain = _as_tensor(_labels(train_labels), torch.int64).to(device)
+    ytest = _as_tensor(_labels(test_labels), torch.int64)
+    if len(ytrain) != len(train) or len(ytest) != len(test):
+        raise UserError(
+            f"kNN: {len(train)} train features with {len(ytrain)} labels, {len(test)} test features with "
+            f"{len(ytest)} labels; each feature needs one label"
+        )
+    if len(train) == 0 or len(test) == 0:
+        raise UserError(f"kNN needs train and test features; got {len(train)} train and {len(test)} test samples")
+    if train.shape[1] != test.shape[1]:
+        raise UserError(f"kNN: train features have dim {train.shape[1]} but test features have dim {test.shape[1]}")
+    if int(ytrain.min()) < 0:
+        raise UserError("kNN: the train features have no labels (negative targets); extract with LABEL_SOURCES set")
+    if topk < 1 or sigma <= 0 or chunk_size < 1:
+        raise UserError(f"kNN: TOPK={topk} and TEST_CHUNK_SIZE={chunk_size} must be >= 1, SIGMA={sigma} > 0")
+    classes = int(num_classes) if num_classes else int(max(int(ytrain.max()), int(ytest.max())) + 1)
+    k = min(int(topk), len(train))
+    ks = sorted({int(x) for x in topk_list})
+    train = torch.nn.functional.normalize(train, dim=1)
+    correct = {kk: 0 for kk in ks}
+    for start in range(0, len(test), chunk_size):
+        q = _as_tensor(test[start:start + chunk_size], torch.float32).to(device)
+        q = torch.nn.functional.normalize(q, dim=1)
+        sim, idx = (q @ train.T).topk(k, dim=1)                       # [c, k]
+        votes = torch.zeros(len(q), classes, device=device)
+        # weight exp(sim / sigma), scaled by exp(-1 / sigma) so that no sigma overflows float32
+        votes.scatter_add_(1, ytrain[idx], ((sim - 1.0) / sigma).exp())
+        ranked = votes.topk(min(max(ks), classes), dim=1).indices.cpu()  # [c, max k]
+        hit = ranked == ytest[start:start + chunk_size, None]
+        for kk in ks:
+            correct[kk] += int(hit[:, :kk].any(dim=1).sum())
+    return {kk: 100.0 * correct[kk] / len(test) for kk in ks}
+
+
+def knn_on_folder(
+    folder: Path,
+    layer: str,
+    topk: int = 200,
+    sigma: float = 0.1,
+    topk_list: Sequence[int] = (1, 5),
+    chunk_size: int = 1024,
+    train_split: str = "train",
+    test_split: str = "test",
+) -> Dict[int, float]:
+    """:func:`knn_accuracy` on the train and test shards of ``layer`` in a features folder."""
+    from ssl_engine.features import load_features
+
+    train = load_features(folder, train_split, layer)
+    test = load_features(folder, test_split, layer)
+    return knn_accuracy(
+        train["features"], train["targets"], test["features"], test["targets"],
+        topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size,
+    )

@@ -1,0 +1,325 @@
+"""Feature extraction: shard writing and loading, the extract_features engine on 1 and 2 ranks,
+weights from a checkpoint folder or MODEL.WEIGHTS_INIT, the kNN test, and linear evaluation."""
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, run_tool
+from ssl_engine.checkpoint import atomic_write, load_checkpoint
+from ssl_engine.data import StatefulDistributedSampler
+from ssl_engine.errors import CheckpointError, UserError
+from ssl_engine.features import (
+    FeatureShardError,
+    ShardWriter,
+    available,
+    iter_shards,
+    load_features,
+    remove_shards,
+    save_npy,
+    shard_path,
+)
+from ssl_engine.knn import knn_accuracy
+
+NN_TOOL = str(REPO / "tools" / "nearest_neighbor_test.py")
+SHARD_RE = re.compile(r"^rank(\d+)_chunk(\d+)_(train|test)_(\w+)_(features|targets|inds)\.npy$")
+
+
+def temp_files(folder: Path) -> List[str]:
+    return [p.name for p in Path(folder).iterdir() if ".tmp." in p.name]
+
+
+def write_split(folder: Path, split: str, inds: np.ndarray, rank: int = 0, threshold: int = 0, batch: int = 7,
+                layers: Dict[str, tuple] = None) -> Dict[str, np.ndarray]:
+    """Write features = f(index) for ``inds`` through a ShardWriter, in batches of ``batch``."""
+    layers = layers or {"res5avg": (4,)}
+    writer = ShardWriter(folder, rank, split, threshold)
+    for s in range(0, len(inds), batch):
+        idx = np.asarray(inds[s:s + batch], dtype=np.int64)
+        feats = {name: (idx[:, None] * 10.0 + np.arange(int(np.prod(shape)))).reshape((len(idx),) + shape)
+                 .astype(np.float32) for name, shape in layers.items()}
+        writer.add(feats, idx % 3, idx)
+    writer.close()
+    return {"chunks": writer.chunk, "samples": writer.num_samples}
+
+
+# ------------------------------------------------------------------------------- shards
+
+
+def test_shards_are_chunked_named_and_written_atomically(tmp_path: Path) -> None:
+    out = write_split(tmp_path, "TRAIN", np.arange(100), threshold=32, layers={"res5avg": (4,), "res4": (2, 2, 2)})
+    assert out == {"chunks": 4, "samples": 100}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert all(SHARD_RE.match(n) for n in names), names
+    assert len(names) == 4 * 2 * 3  # chunks x layers x (features, targets, inds)
+    sizes = [len(np.load(shard_path(tmp_path, 0, c, "train", "res4", "inds"))) for c in range(4)]
+    assert sizes == [32, 32, 32, 4]
+    assert temp_files(tmp_path) == []
+    assert available(tmp_path) == [("train", "res4"), ("train", "res5avg")]
+    res4 = load_features(tmp_path, "train", "res4", flatten=False)
+    assert res4["features"].shape == (100, 2, 2, 2)
+    assert load_features(tmp_path, "train", "res4")["features"].shape == (100, 8)
+
+
+def test_load_merges_ranks_and_chunks_sorted_by_index(tmp_path: Path) -> None:
+    n = 53  # uneven shares, as the extraction's non-padding sampler gives
+    for rank in range(2):
+        write_split(tmp_path, "test", np.arange(rank, n, 2), rank=rank, threshold=5, batch=3)
+    got = load_features(tmp_path, "test", "res5avg")
+    np.testing.assert_array_equal(got["inds"], np.arange(n))
+    np.testing.assert_array_equal(got["targets"], np.arange(n) % 3)
+    np.testing.assert_array_equal(got["features"][:, 0], np.arange(n) * 10.0)
+    shards = list(iter_shards(tmp_path, "test", "res5avg"))
+    assert [(s.rank, s.chunk) for s in shards] == [(0, c) for c in range(6)] + [(1, c) for c in range(6)]
+    assert sum(len(s.inds) for s in shards) == n
+
+
+def test_failed_write_leaves_no_temp_file_and_keeps_the_old_shard(tmp_path: Path) -> None:
+    path = shard_path(tmp_path, 0, 0, "train", "res5avg", "features")
+    save_npy(path, np.ones((2, 3), dtype=np.float32))
+
+    def half_then_fail(f) -> None:
+        f.write(b"\x93NUMPY partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="disk is full"):
+        atomic_write(path, half_then_fail)
+    assert temp_files(tmp_path) == []
+    np.testing.assert_array_equal(np.load(path), np.ones((2, 3)))
+
+
+def test_remove_shards_only_touches_the_split(tmp_path: Path) -> None:
+    write_split(tmp_path, "train", np.arange(10))
+    write_split(tmp_path, "test", np.arange(4))
+    assert remove_shards(tmp_path, "TRAIN") == 3
+    assert available(tmp_path) == [("test", "res5avg")]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("empty", "no feature shards for split 'train' and layer 'res5avg'"),
+        ("missing_folder", "does not exist"),
+        ("no_targets", "has no targets file"),
+        ("duplicate", "appears in more than one shard"),
+        ("rank_gap", "has shards of ranks \\[1\\]"),
+        ("index_gap", "are missing"),
+        ("shape", "has features \\(5,\\)"),
+        ("rows", "rows"),
+    ],
+)
+def test_loader_explains_empty_or_inconsistent_folders(tmp_path: Path, damage: str, message: str) -> None:
+    folder = tmp_path / "f"
+    folder.mkdir()
+    if damage == "missing_folder":
+        folder = tmp_path / "nope"
+    elif damage == "no_targets":
+        write_split(folder, "train", np.arange(10))
+        shard_path(folder, 0, 0, "train", "res5avg", "targets").unlink()
+    elif damage == "duplicate":
+        write_split(folder, "train", np.arange(10), rank=0)
+        write_split(folder, "train", np.arange(10), rank=1)
+    elif damage == "rank_gap":
+        write_split(folder, "train", np.arange(10), rank=1)
+    elif damage == "index_gap":
+        write_split(folder, "train", np.arange(20), threshold=8, batch=4)
+        for kind in ("features", "targets", "inds"):
+            shard_path(folder, 0, 1, "train", "res5avg", kind).unlink()
+    elif damage == "shape":
+        write_split(folder, "train", np.arange(8), threshold=4, batch=4)
+        save_npy(shard_path(folder, 0, 1, "train", "res5avg", "features"), np.zeros((4, 5), np.float32))
+    elif damage == "rows":
+        write_split(folder, "train", np.arange(8))
+        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.arange(3))
+    with pytest.raises(FeatureShardError, match=message) as info:
+        load_features(folder, "train", "res5avg")
+    assert isinstance(info.value, UserError) and "\n" not in str(info.value)
+
+
+def test_non_padding_sampler_gives_each_index_once_and_keeps_padding_by_default() -> None:
+    n, world = 11, 3
+    shares = [list(StatefulDistributedSampler(n, world, r, shuffle=False, pad=False)) for r in range(world)]
+    assert [len(s) for s in shares] == [4, 4, 3]
+    assert [len(StatefulDistributedSampler(n, world, r, shuffle=False, pad=False)) for r in range(world)] == [4, 4, 3]
+    assert sorted(idx for s in shares for _, idx in s) == list(range(n))
+    padded = [list(StatefulDistributedSampler(n, world, r, shuffle=False)) for r in range(world)]
+    assert [len(s) for s in padded] == [4, 4, 4]
+
+
+# ------------------------------------------------------------------------------- kNN
+
+
+def test_knn_weighted_vote_on_a_toy_problem() -> None:
+    # One train point of class 0 right next to the query, two of class 1 a bit farther: a sharp
+    # vote (small sigma) follows the closest, a flat one (large sigma) the majority.
+    angle = lambda a: [np.cos(a), np.sin(a)]  # noqa: E731
+    train = np.array([angle(0.05), angle(0.5), angle(0.55), angle(3.0)], dtype=np.float32) * [[1], [3], [2], [5]]
+    labels = np.array([0, 1, 1, 2])
+    query = np.array([angle(0.0)], dtype=np.float32)
+    sharp = knn_accuracy(train, labels, query, np.array([0]), topk=3, sigma=0.01, topk_list=[1, 2])
+    flat = knn_accuracy(train, labels, query, np.array([0]), topk=3, sigma=10.0, topk_list=[1, 2])
+    assert sharp == {1: 100.0, 2: 100.0}
+    assert flat == {1: 0.0, 2: 100.0}
+    # k=1 is nearest-neighbour; class 2 is never among the 3 nearest
+    assert knn_accuracy(train, labels, query, np.array([2]), topk=3, sigma=0.1, topk_list=[1, 3])[1] == 0.0
+
+
+def test_knn_is_independent_of_the_test_chunk_size() -> None:
+    rng = np.random.RandomState(0)
+    centers = rng.randn(4, 16)
+    ytr, yte = rng.randint(0, 4, 300), rng.randint(0, 4, 101)
+    xtr = centers[ytr] + 0.8 * rng.randn(300, 16)
+    xte = centers[yte] + 0.8 * rng.randn(101, 16)
+    results = [knn_accuracy(xtr, ytr, xte, yte, topk=20, sigma=0.1, topk_list=[1, 5], chunk_size=c) for c in (1, 7, 1024)]
+    assert results[0] == results[1] == results[2]
+    assert results[0][1] > 80.0 and results[0][5] == 100.0  # 4 classes: top-5 is every class
+    with pytest.raises(UserError, match="dim"):
+        knn_accuracy(xtr, ytr, xte[:, :3], yte)
+
+
+# ------------------------------------------------------------------------------- end to end
+
+
+def tool(args: List[str], script: str = None, ok: bool = True):
+    proc = run_tool(args, script=script) if script else run_tool(args)
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+DIGITS_SMALL = ["config.DATA.TRAIN.DATA_LIMIT=101", "config.DATA.TEST.DATA_LIMIT=37"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A (very short) quick/simclr_digits training: two iterations of 32 images."""
+    folder = tmp_path_factory.mktemp("simclr")
+    tool(["config=quick/simclr_digits", f"config.CHECKPOINT.DIR={folder}", "config.OPTIMIZER.num_epochs=1",
+          "config.DATA.TRAIN.DATA_LIMIT=64", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=32"])
+    assert (folder / "checkpoint.torch").exists()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_rank(pretrained: Path, tmp_path_factory) -> Dict[str, object]:
+    """1-rank extraction of the trained trunk through the kNN tool (which extracts first)."""
+    out = tmp_path_factory.mktemp("one_rank")
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
+                 f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.NEAREST_NEIGHBOR.TOPK=5", *DIGITS_SMALL],
+                script=NN_TOOL)
+    return {"folder": out, "stdout": proc.stdout}
+
+
+def test_extraction_with_one_and_two_ranks_gives_the_same_features(pretrained: Path, one_rank, tmp_path: Path) -> None:
+    two = tmp_path / "two"
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
+                 f"config.EXTRACT_FEATURES.OUTPUT_DIR={two}", "config.EXTRACT_FEATURES.CHUNK_THRESHOLD=16",
+                 "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", *DIGITS_SMALL])
+    assert "train res5avg: 101 samples, features [101, 512]" in proc.stdout
+    assert "test res5avg: 37 samples" in proc.stdout
+    names = sorted(p.name for p in two.iterdir())
+    assert all(SHARD_RE.match(n) for n in names), names
+    # 101 train samples: rank 0 gets 51 (chunks of 16, 16, 16, 3), rank 1 gets 50 (16, 16, 16, 2)
+    for rank, last in ((0, 3), (1, 2)):
+        sizes = [len(np.load(shard_path(two, rank, c, "train", "res5avg", "inds"))) for c in range(4)]
+        assert sizes == [16, 16, 16, last]
+    assert not shard_path(two, 0, 4, "train", "res5avg", "inds").exists()
+    for split, n in (("train", 101), ("test", 37)):
+        a = load_features(one_rank["folder"], split, "res5avg")
+        b = load_features(two, split, "res5avg")
+        np.testing.assert_array_equal(b["inds"], np.arange(n))  # each index once
+        np.testing.assert_array_equal(a["targets"], b["targets"])
+        assert a["features"].shape == (n, 512)
+        np.testing.assert_allclose(a["features"], b["features"], rtol=1e-4, atol=1e-5)
+    assert temp_files(two) == [] and temp_files(one_rank["folder"]) == []
+
+
+def test_knn_tool_extracts_first_then_reports_and_reads_a_features_path(pretrained: Path, one_rank) -> None:
+    line = [l for l in one_rank["stdout"].splitlines() if l.startswith("kNN res5avg")]
+    assert line and "101 train / 37 test" in line[0], one_rank["stdout"][-2000:]
+    top1 = float(re.search(r"top-1 ([\d.]+)%", line[0]).group(1))
+    # the same numbers when reading the folder: in-process, no extraction
+    spec = importlib.util.spec_from_file_location("nearest_neighbor_test", NN_TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from ssl_engine.cli import prepare_config
+
+    cfg = prepare_config(["config=extract/simclr_digits_trunk", "config.NEAREST_NEIGHBOR.TOPK=5",
+                          f"config.NEAREST_NEIGHBOR.FEATURES.PATH={one_rank['folder']}"])
+    results = mod.evaluate(cfg, Path(cfg.NEAREST_NEIGHBOR.FEATURES.PATH))
+    assert results["res5avg"][1] == pytest.approx(top1, abs=0.01)
+    assert set(results["res5avg"]) == {1, 5}
+
+
+def test_knn_tool_reports_a_bad_features_path_in_one_line(tmp_path: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("nearest_neighbor_test", NN_TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path) in err[0]
+
+
+def test_weights_init_file_gives_the_checkpoint_folders_features(pretrained: Path, one_rank, tmp_path: Path) -> None:
+    fresh = tmp_path / "fresh"
+    tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={fresh}", "config.EXTRACT_FEATURES.SPLITS=[TEST]",
+          f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={pretrained / 'checkpoint.torch'}", *DIGITS_SMALL])
+    assert available(fresh) == [("test", "res5avg")]
+    a = load_features(one_rank["folder"], "test", "res5avg")["features"]
+    b = load_features(fresh, "test", "res5avg")["features"]
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # no weights at all: the random init, which must differ from the trained trunk
+    rand = tmp_path / "rand"
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={rand}", "config.EXTRACT_FEATURES.SPLITS=[TEST]",
+                 *DIGITS_SMALL])
+    assert "randomly initialised" in proc.stdout + proc.stderr
+    c = load_features(rand, "test", "res5avg")["features"]
+    assert not np.allclose(a, c, rtol=1e-3, atol=1e-3)
+
+
+def test_extraction_refuses_augmented_multi_view_batches(pretrained: Path, tmp_path: Path) -> None:
+    proc = tool(["config=quick/simclr_digits", "engine_name=extract_features", f"config.CHECKPOINT.DIR={pretrained}",
+                 f"config.EXTRACT_FEATURES.OUTPUT_DIR={tmp_path}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
+                 "config.DATA.TRAIN.DATA_LIMIT=8"], ok=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith("error: ") and "2 views per sample" in err[-1]
+
+
+def test_linear_eval_trains_heads_on_a_frozen_pretrained_trunk(pretrained: Path, tmp_path: Path) -> None:
+    params_file = pretrained / "checkpoint.torch"
+    tool(["config=benchmark/linear_eval_digits_resnet", f"config.CHECKPOINT.DIR={tmp_path}",
+          f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={params_file}", "config.OPTIMIZER.num_epochs=1",
+          "config.OPTIMIZER.param_schedulers.lr.name=constant", "config.OPTIMIZER.param_schedulers.lr.value=0.05",
+          "config.DATA.TRAIN.DATA_LIMIT=128", "config.DATA.TEST.DATA_LIMIT=64"])
+    import json
+
+    metrics = [json.loads(l) for l in (tmp_path / "metrics.json").read_text().splitlines()]
+    test = [m for m in metrics if "test_accuracy_list_meter" in m]
+    assert test, metrics
+    top1 = test[-1]["test_accuracy_list_meter"]["top_1"]
+    assert set(top1) == {"res3", "res4", "res5avg"}
+    assert all(0.0 <= v <= 100.0 for v in top1.values())
+    before = load_checkpoint(params_file)["classy_state_dict"]["base_model"]["model"]["trunk"]
+    after_ckpt = load_checkpoint(tmp_path / "checkpoint.torch")["classy_state_dict"]["base_model"]["model"]
+    after = after_ckpt["trunk"]
+    assert set(before) == set(after)
+    for name, tensor in before.items():
+        if not name.endswith("num_batches_tracked"):
+            assert torch.equal(tensor, after[name]), name  # weights and BN statistics unchanged
+    assert any(k.startswith("0.") for k in after_ckpt["heads"]) and any(k.startswith("2.") for k in after_ckpt["heads"])
+
+
+@pytest.mark.gpu
+def test_extraction_on_gpu_matches_cpu(pretrained: Path, one_rank, tmp_path: Path) -> None:
+    tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}", "config.MACHINE.DEVICE=gpu",
+          f"config.EXTRACT_FEATURES.OUTPUT_DIR={tmp_path}", "config.EXTRACT_FEATURES.SPLITS=[TEST]", *DIGITS_SMALL])
+    a = load_features(one_rank["folder"], "test", "res5avg")["features"]
+    b = load_features(tmp_path, "test", "res5avg")["features"]
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)

@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""kNN top-1 / top-5 of extracted features: the standard check of a self-supervised model.
+
+    python tools/nearest_neighbor_test.py config=extract/simclr_digits_trunk \\
+        config.CHECKPOINT.DIR=./checkpoints/simclr_digits
+
+With config.NEAREST_NEIGHBOR.FEATURES.PATH empty it first extracts the TRAIN and TEST
+features of the config's model (the extract_features engine, any number of ranks), then reads
+them from EXTRACT_FEATURES.OUTPUT_DIR (default CHECKPOINT.DIR); with a PATH it only reads.
+Options: NEAREST_NEIGHBOR.TOPK (neighbours that vote), SIGMA (vote temperature), TOPK_LIST
+(accuracies to report), TEST_CHUNK_SIZE (test samples compared at once). Every layer that has
+train and test shards is evaluated. Exit code 2 with one line for anything the user can fix.
+"""
+
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ssl_engine.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def extract(cfg, node_id: int = 0) -> int:
+    """Run the extract_features engine on the TRAIN and TEST splits of ``cfg``; its exit code."""
+    for split in ("TRAIN", "TEST"):
+        if not cfg.DATA[split].DATA_SOURCES:
+            raise UserError(f"the kNN test needs TRAIN and TEST features but config.DATA.{split}.DATA_SOURCES is empty")
+    asked = [str(s).upper() for s in cfg.EXTRACT_FEATURES.SPLITS]
+    if asked and not {"TRAIN", "TEST"} <= set(asked):
+        raise UserError(f"the kNN test needs TRAIN and TEST features; config.EXTRACT_FEATURES.SPLITS={asked}")
+    from ssl_engine.launch import launch
+
+    cfg.engine_name = "extract_features"
+    return launch(cfg, node_id=node_id)
+
+
+def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
+    """kNN accuracies of every layer with train and test shards in ``folder``, printed as they come."""
+    from ssl_engine.features import FeatureShardError, available, load_features
+    from ssl_engine.knn import knn_accuracy
+
+    pairs = available(folder)
+    layers = [layer for s, layer in pairs if s == "train" and ("test", layer) in pairs]
+    if not layers:
+        have = ", ".join(f"{s}/{l}" for s, l in pairs) or "no shards"
+        raise FeatureShardError(f"{folder} has no layer with both train and test features ({have})")
+    nn = cfg.NEAREST_NEIGHBOR
+    results = {}
+    for layer in layers:
+        train = load_features(folder, "train", layer)
+        test = load_features(folder, "test", layer)
+        acc = knn_accuracy(
+            train["features"], train["targets"], test["features"], test["targets"],
+            topk=nn.TOPK, sigma=nn.SIGMA, topk_list=nn.TOPK_LIST, chunk_size=nn.TEST_CHUNK_SIZE,
+        )
+        results[layer] = acc
+        scores = " | ".join(f"top-{k} {v:.2f}%" for k, v in acc.items())
+        print(
+            f"kNN {layer} (k={nn.TOPK}, sigma={nn.SIGMA}; {len(train['inds'])} train / {len(test['inds'])} test, "
+            f"dim {train['features'].shape[1]}): {scores}",
+            flush=True,
+        )
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from ssl_engine.cli import _split_args, prepare_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("SSL_ENGINE_DEBUG", "") not in ("", "0")
+    try:
+        overrides, node_id, flag = _split_args(argv)
+        debug = debug or flag
+        cfg = prepare_config(overrides)
+        from ssl_engine.engines.extract_features import output_dir
+
+        folder = Path(str(cfg.NEAREST_NEIGHBOR.FEATURES.PATH)).expanduser()
+        if not cfg.NEAREST_NEIGHBOR.FEATURES.PATH:
+            code = extract(cfg, node_id)
+            if code != 0:
+                return code
+            if node_id != 0 or int(os.environ.get("RANK", "0")) != 0:
+                return 0  # under torchrun / multi-node, rank 0 of node 0 computes the kNN
+            folder = output_dir(cfg)
+        evaluate(cfg, folder)
+        return 0
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,6 +44,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def processes_with(marker: str) -> List[int]:
+    """Pids whose environment holds ``marker`` (every process a run started inherits it)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                if marker.encode() in Path(f"/proc/{d}/environ").read_bytes():
+                    found.append(int(d))
+            except OSError:
+                continue
+    return found
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Tests share 2 cores with each other: keep torch to one thread in-process too."""

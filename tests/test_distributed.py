@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import REPO, TOOL, run_tool, tool_env
+from conftest import REPO, TOOL, processes_with, run_tool, tool_env
 from ssl_engine.config import compose
 from ssl_engine.data.sampler import PaddedIndex, StatefulDistributedSampler, is_padded
 from ssl_engine.errors import ConfigError
@@ -362,19 +362,6 @@ def fail_on_rank1_step(task):
             time.sleep(0.1)
     standard_train_step(task)
 '''
-
-
-def processes_with(marker: str) -> List[int]:
-    """Pids whose environment holds ``marker`` (every process a run started inherits it)."""
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                if marker.encode() in Path(f"/proc/{d}/environ").read_bytes():
-                    found.append(int(d))
-            except OSError:
-                continue
-    return found
 
 
 def test_rank_failure_ends_the_job(tmp_path: Path) -> None:

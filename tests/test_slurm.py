@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import run_tool
+from conftest import processes_with, run_tool
 from ssl_engine.cli import main
 
 SUPERVISED = [
@@ -180,18 +180,6 @@ def model_tensors(path: Path) -> Dict[str, torch.Tensor]:
 
     walk("", torch.load(path, weights_only=True)["classy_state_dict"]["base_model"])
     return out
-
-
-def processes_with(marker: str) -> List[int]:
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                if marker.encode() in Path(f"/proc/{d}/environ").read_bytes():
-                    found.append(int(d))
-            except OSError:
-                continue
-    return found
 
 
 def test_local_jobs_complete_and_a_preempted_job_resumes_exactly(tmp_path: Path) -> None:

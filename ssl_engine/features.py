@@ -13,7 +13,6 @@ memory. :func:`load_features` merges the shards of all ranks and chunks, sorted 
 :func:`iter_shards` walks them one at a time without loading the rest.
 """
 
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,6 @@ import numpy as np
 
 from ssl_engine.checkpoint import atomic_write
 from ssl_engine.errors import UserError
-
-log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_THRESHOLD = 4096
 KINDS = ("features", "targets", "inds")

@@ -7,7 +7,6 @@ The test set is processed ``chunk_size`` samples at a time, so memory holds the 
 features plus one [chunk_size, N_train] similarity block, whatever the test set's size.
 """
 
-import logging
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
@@ -15,8 +14,6 @@ import numpy as np
 import torch
 
 from ssl_engine.errors import UserError
-
-log = logging.getLogger(__name__)
 
 
 def _as_tensor(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

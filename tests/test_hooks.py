@@ -223,7 +223,8 @@ def test_custom_hooks_from_yaml(tiny_yaml: Path, tmp_path: Path) -> None:
 def test_default_hooks_follow_the_config(tiny_yaml: Path, tmp_path: Path) -> None:
     names = lambda cfg: [type(h).__name__ for h in default_hooks(cfg)]  # noqa: E731
     plain = names(make_cfg(tiny_yaml, tmp_path))
-    assert {"PeriodicWriterHook", "MetricsHook", "CheckpointHook", "IterationTimer", "NaNCheckHook"} <= set(plain)
+    assert {"PeriodicWriterHook", "MetricsHook", "CheckpointHook", "IterationTimer"} <= set(plain)
+    assert "NaNCheckHook" not in plain  # the train step checks the loss; the per-output check is opt-in
     assert "ProgressBarHook" not in plain  # pytest's stdout is not a terminal
     assert "TorchMemoryStatsHook" not in plain  # a CPU run
     full = names(make_cfg(
@@ -677,6 +678,31 @@ def test_nan_in_the_model_output_stops_the_run(tiny_yaml: Path, tmp_path: Path) 
     assert "model output" in msg and "iteration 3" in msg and "phase 0" in msg and "the input data is finite" in msg
     names = sorted(p.name for p in folder.glob("model_*.torch"))
     assert names == ["model_iteration2.torch"]  # the last good checkpoint is the newest one
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["read-at-once", "read-one-step-late"])
+def test_check_nan_alone_stops_on_a_nan_loss_and_names_the_output(
+    tiny_yaml: Path, tmp_path: Path, deferred: bool
+) -> None:
+    """HOOKS.CHECK_NAN without NaNCheckHook: the train step's loss check stops the run. Read one
+    step late (what a GPU run does) it must still stop before a checkpoint of the bad state."""
+    folder = tmp_path / "run"
+    cfg = make_cfg(tiny_yaml, folder, "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2")
+
+    def poison(task: Any) -> None:
+        task.defer_loss_check = deferred
+        if task.iteration == 2:  # after the update of iteration index 2: the next loss is NaN
+            weight = next(p for n, p in task.base_model.named_parameters() if n.startswith("heads") and p.ndim == 2)
+            with torch.no_grad():
+                weight[0, 0] = float("nan")
+
+    with pytest.raises(NonFiniteLossError) as err:
+        train(cfg, base_hooks(cfg) + [CallbackHook(on_update=poison)])
+    msg = str(err.value)
+    assert "the loss is nan at iteration 3" in msg and "phase 0" in msg
+    assert "model output" in msg and "the input data is finite" in msg
+    names = sorted(p.name for p in folder.glob("model_*.torch"))
+    assert names == ["model_iteration2.torch"]  # iteration 4's checkpoint would hold the NaN update
 
 
 def test_nan_check_names_bad_inputs() -> None:

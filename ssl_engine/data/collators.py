@@ -17,10 +17,15 @@ from ssl_engine.errors import UserError
 from ssl_engine.registry import COLLATORS
 
 SAMPLE_KEYS = ("data", "label", "data_valid", "data_idx")
+_SAMPLE_KEY_SET = frozenset(SAMPLE_KEYS)
 
 
-def _stack(items: Sequence[Any], what: str) -> torch.Tensor:
+def _stack(items: List[Any], what: str) -> torch.Tensor:
     """Stack tensors along a new batch dim, with a message a user can act on when it fails."""
+    try:
+        return torch.stack(items, dim=0)
+    except (TypeError, RuntimeError):
+        pass  # find out why, below, and say it in the config's terms
     for x in items:
         if not isinstance(x, torch.Tensor):
             raise UserError(
@@ -33,21 +38,30 @@ def _stack(items: Sequence[Any], what: str) -> torch.Tensor:
             f"cannot batch {what}: views have different shapes {sorted(shapes)}; add a fixed-size "
             f"Resize/CenterCrop/RandomResizedCrop to config.DATA.<split>.TRANSFORMS"
         )
-    return torch.stack(list(items), dim=0)
+    return torch.stack(items, dim=0)  # some other failure (e.g. mixed dtypes): torch's own message
 
 
-def _ints(values: Sequence[Any]) -> torch.Tensor:
-    return _torch_default_collate(list(values))
+def _ints(values: List[Any]) -> torch.Tensor:
+    if type(values[0]) is int or (type(values[0]) is list and values[0] and type(values[0][0]) is int):  # the usual label / flag / index lists: one call, no per-element dispatch
+        try:
+            return torch.tensor(values, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError):
+            pass  # mixed types: let torch's collate say what it makes of them
+    return _torch_default_collate(values)
 
 
 def _num_entries(batch: Sequence[Dict[str, Any]], key: str) -> int:
-    counts = {len(s[key]) for s in batch}
-    if len(counts) != 1:
-        raise UserError(f"cannot batch samples with different numbers of {key!r} entries: {sorted(counts)}")
-    return counts.pop()
+    n = len(batch[0][key])
+    for s in batch:
+        if len(s[key]) != n:
+            counts = sorted({len(t[key]) for t in batch})
+            raise UserError(f"cannot batch samples with different numbers of {key!r} entries: {counts}")
+    return n
 
 
 def _extra_keys(batch: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    if _SAMPLE_KEY_SET.issuperset(batch[0]):  # only the standard keys (the usual case)
+        return {}
     keys = [k for k in batch[0] if k not in SAMPLE_KEYS]
     return {k: _torch_default_collate([s[k] for s in batch]) for k in keys}
 
@@ -65,10 +79,17 @@ def default_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     n = _num_entries(batch, "data")
     out["data"] = [_stack([s["data"][j] for s in batch], f"data entry {j}") for j in range(n)]
-    for key in ("label", "data_valid", "data_idx"):
-        if key in batch[0]:
-            m = _num_entries(batch, key)
-            out[key] = [_ints([s[key][j] for s in batch]) for j in range(m)]
+    int_keys = [key for key in ("label", "data_valid", "data_idx") if key in batch[0]]
+    counts = [_num_entries(batch, key) for key in int_keys]
+    if counts and all(c == 1 for c in counts) and all(type(batch[0][key][0]) is int for key in int_keys):
+        # the usual case, one entry each: one tensor for the three int lists, one row per key
+        rows = _ints([[s[key][0] for s in batch] for key in int_keys])
+        if rows.ndim == 2:
+            out.update({key: [rows[i]] for i, key in enumerate(int_keys)})
+            out.update(_extra_keys(batch))
+            return out
+    for key, m in zip(int_keys, counts):
+        out[key] = [_ints([s[key][j] for s in batch]) for j in range(m)]
     out.update(_extra_keys(batch))
     return out
 

@@ -132,11 +132,24 @@ class SSLDataset(Dataset):
         self._rng_preserved = False  # set by __getitems__ while it holds the caller's RNG states
         self._bad: Set[int] = set()
         self._warned: Set[str] = set()
+        # sizes are fixed once built: __getitem__ reads these instead of asking the sources each time
+        self._len = len(self.subset) if self.subset is not None else len(self.sources[0])
+
+    @property
+    def transforms(self) -> SSLTransformsWrapper:
+        return self._transforms
+
+    @transforms.setter
+    def transforms(self, transforms: SSLTransformsWrapper) -> None:
+        # what the pipeline needs per sample, looked up once rather than on every __getitem__
+        self._transforms = transforms
+        self._has_transforms = len(transforms) > 0
+        self._draws_randomness = bool(transforms.draws_randomness)
 
     # -- size and labels ------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self.subset) if self.subset is not None else len(self.sources[0])
+        return self._len
 
     def source_index(self, idx: int) -> int:
         """The index into the data sources of dataset sample ``idx`` (differs under DATA_LIMIT)."""
@@ -164,16 +177,21 @@ class SSLDataset(Dataset):
             return [idx] * len(self.sources)
         if self.label_type == "zero":
             return [0] * len(self.sources)
-        j = self.source_index(used_idx)
-        return [int(arr[j]) for arr in self.label_arrays]
+        j = int(self.subset[used_idx]) if self.subset is not None else used_idx
+        return [int(arr.item(j)) for arr in self.label_arrays]
 
     def _read(self, idx: int) -> List[Any]:
-        j = self.source_index(idx)
+        j = int(self.subset[idx]) if self.subset is not None else idx
         return [src.get(j) for src in self.sources]
 
     def _load(self, idx: int) -> Tuple[List[Any], int]:
         """The images of sample ``idx``, or of the next readable sample when ``idx`` cannot be decoded."""
-        n = len(self)
+        if idx not in self._bad:
+            try:
+                return self._read(idx), idx  # the common case, without the search below
+            except UnreadableImageError:
+                pass  # handled (error or skip, with its warning) by the search, which retries idx first
+        n = self._len
         for step in range(n):
             j = (idx + step) % n
             if j in self._bad:
@@ -206,9 +224,8 @@ class SSLDataset(Dataset):
             epoch, idx = int(key[0]), int(key[1])
         else:
             epoch, idx = self.epoch, int(key)
-        n = len(self)
-        if not 0 <= idx < n:
-            raise IndexError(f"sample index {idx} out of range for a dataset of {n}")
+        if not 0 <= idx < self._len:
+            raise IndexError(f"sample index {idx} out of range for a dataset of {self._len}")
         images, used = self._load(idx)
         if used != idx:
             self.num_skipped += 1
@@ -222,20 +239,22 @@ class SSLDataset(Dataset):
             "data_valid": [valid] * k,
             "data_idx": [idx] * k,
         }
-        if self.transforms.draws_randomness:
+        if not self._has_transforms:
+            return sample
+        if self._draws_randomness:
             if get_worker_info() is not None:
                 seed_all(sample_seed(self.seed, epoch, idx))  # a worker's own generators: nothing to restore
             elif self._rng_preserved:
                 seed_all(sample_seed(self.seed, epoch, idx))  # __getitems__ restores once per batch
             else:
                 with seeded_rng(sample_seed(self.seed, epoch, idx)):
-                    return self.transforms(sample)
-        return self.transforms(sample)
+                    return self._transforms(sample)
+        return self._transforms(sample)
 
     def __getitems__(self, keys: Sequence[Any]) -> List[Dict[str, Any]]:
         """A batch of samples; in the training process the caller's RNG states are saved and
         restored once per batch rather than once per sample."""
-        if get_worker_info() is not None or not self.transforms.draws_randomness:
+        if not self._draws_randomness or get_worker_info() is not None:
             return [self[k] for k in keys]
         with preserved_rng():
             self._rng_preserved = True

@@ -68,8 +68,6 @@ def default_hooks(cfg: AttrDict) -> List[Any]:
         hooks.append(IterationTimer(H.ITERATION_TIMER.WARMUP_ITERATIONS))
     if H.PROGRESS_BAR and progress_bar_wanted():
         hooks.append(ProgressBarHook(log_frequency=cfg.LOG_FREQUENCY))
-    if H.CHECK_NAN:
-        hooks.append(NaNCheckHook())
     if H.LOG_PARAM_GROUPS:
         hooks.append(ParamGroupsHook(str(folder), flush_every=cfg.LOG_FREQUENCY))
     if H.BEST_CHECKPOINT.METRIC:

@@ -14,6 +14,7 @@ import torch
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import atomic_write_text
 from ssl_engine.hooks.base import Priority, SSLHook
+from ssl_engine.hooks.deferred_sum import DeferredSum
 from ssl_engine.registry import HOOKS
 
 log = logging.getLogger(__name__)
@@ -29,17 +30,6 @@ def read_metrics(path: Path) -> list:
             except json.JSONDecodeError:
                 continue
     return out
-
-
-def _num_samples(batch: Any) -> Optional[torch.Tensor]:
-    """Real (not padded) samples of a batch as a 0-d tensor on the batch's device (no sync),
-    None when the batch does not say (then each batch counts once)."""
-    flags = batch.get("data_valid") if isinstance(batch, dict) else None
-    if isinstance(flags, (list, tuple)):
-        flags = flags[0] if flags else None
-    if not isinstance(flags, torch.Tensor) or flags.ndim != 1:
-        return None
-    return (flags > 0).sum()
 
 
 def flatten_metrics(record: Dict[str, Any], sep: str = "/") -> Dict[str, float]:
@@ -79,23 +69,20 @@ class MetricsHook(SSLHook):
         self.path = Path(folder) / "metrics.json"
         self.writers = list(writers or [])  # periodic_writer.Writer instances: write_phase(record)
         self.last_record: Dict[str, Any] = {}
-        self._loss_sum: Optional[torch.Tensor] = None
-        self._count = 0
+        self._losses = DeferredSum()  # this phase's losses since the last fold, weighted by real samples
         self.state.loss_sum = 0.0
         self.state.count = 0
 
     def on_phase_start(self, task: Any) -> None:
         if not task.phase_resumed:
             self.state.loss_sum, self.state.count = 0.0, 0
-        self._loss_sum, self._count = None, 0
+        self._losses.clear()
 
     def on_loss_and_meter(self, task: Any) -> None:
-        loss = task.last_loss.double()
-        weight = _num_samples(task.last_batch)
-        if weight is not None:
-            loss = loss * weight.to(loss.device)
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        self._count = self._count + (weight if weight is not None else 1)
+        # each batch's loss weighted by its real (not padded) samples; a batch that does not
+        # say how many counts once
+        n = getattr(task, "last_num_samples", None)
+        self._losses.add(task.last_loss, 1 if n is None else n)
 
     def get_classy_state(self) -> Dict[str, Any]:
         self._fold()
@@ -105,10 +92,10 @@ class MetricsHook(SSLHook):
         self.state.loss_sum, self.state.count = float(state["loss_sum"]), int(state["count"])
 
     def _fold(self) -> None:
-        if self._loss_sum is not None:
-            self.state.loss_sum += float(self._loss_sum.item())
-            self.state.count += int(self._count)
-            self._loss_sum, self._count = None, 0
+        if len(self._losses) or self._losses.weight:
+            self.state.loss_sum += self._losses.total()
+            self.state.count += int(self._losses.weight)
+            self._losses.clear()
 
     def on_phase_end(self, task: Any) -> None:
         self._fold()

@@ -1,13 +1,10 @@
-"""NaNCheckHook (HOOKS.CHECK_NAN): stop the run when a model output holds a NaN or inf, naming
-the tensor (and any bad input tensor), the iteration and the phase.
+"""Non-finite values: the diagnosis the train step's loss check (HOOKS.CHECK_NAN) prints, and
+NaNCheckHook, an opt-in per-step check of every model output.
 
-The train step already checks the loss (standard_train_step.check_finite_loss); this hook
-checks what the loss is computed from, right after the forward pass: each output tensor is
-reduced to one flag on the device and the flags are read once (one sync per step on GPU, next
-to the loss check's). Only when an output is bad are the input tensors checked too, so the
-message says whether the data brought the NaN in. The run
-stops with NonFiniteLossError before anything of this step is checkpointed, so the last
-good checkpoint stays the newest one.
+When the loss is NaN/inf, ``diagnose`` names the output tensors and input tensors that hold
+NaN/inf, so the message says whether the data brought it in. The run stops with
+NonFiniteLossError before anything of that step is checkpointed, so the last good checkpoint
+stays the newest one.
 """
 
 from typing import Any, Dict, List, Tuple
@@ -40,9 +37,29 @@ def describe(name: str, t: torch.Tensor) -> str:
     return f"{name} (shape {list(t.shape)}): {nan} NaN, {inf} inf of {t.numel()} values"
 
 
+def diagnose(output: Any, batch: Any) -> str:
+    """Which model outputs and input tensors hold NaN/inf, for the message that stops the run.
+
+    Runs only once something was found non-finite, so it may read every tensor back.
+    """
+    bad = [describe(n, t) for n, t in named_tensors(output, "model output") if not bool(torch.isfinite(t.detach()).all())]
+    inputs = named_tensors(batch.get("data"), "input data") if isinstance(batch, dict) else []
+    bad_inputs = [describe(n, t) for n, t in inputs if not bool(torch.isfinite(t.detach()).all())]
+    parts = bad_inputs + (bad or ["the model output is finite (the loss computation produced it)"])
+    if inputs and not bad_inputs:
+        parts.append("the input data is finite")
+    return "; ".join(parts)
+
+
 @HOOKS.register("NaNCheckHook")
 class NaNCheckHook(SSLHook):
-    """Raises NonFiniteLossError at on_forward if a model output has non-finite values."""
+    """Raises NonFiniteLossError at on_forward if a model output has non-finite values.
+
+    Not in the default hooks: with HOOKS.CHECK_NAN the train step already stops on a
+    non-finite loss and then names the bad outputs and inputs. Add this hook (HOOKS.CUSTOM)
+    to also catch non-finite outputs that do not reach the loss (e.g. masked rows), at the
+    cost of one device sync per step.
+    """
 
     priority = Priority.VERY_HIGH  # before any other hook looks at the outputs
 
@@ -57,14 +74,10 @@ class NaNCheckHook(SSLHook):
         flags = torch.stack([torch.isfinite(t.detach()).all() for _, t in tensors])
         if bool(flags.all()):  # the one sync of this check
             return
-        bad = [describe(n, t) for (n, t), ok in zip(tensors, flags.tolist()) if not ok]
-        if self.check_inputs and isinstance(task.last_batch, dict):  # only now: did the data bring it in?
-            inputs = named_tensors(task.last_batch.get("data"), "input data")
-            bad_inputs = [describe(n, t) for n, t in inputs if not bool(torch.isfinite(t).all())]
-            bad = bad_inputs + bad if bad_inputs else bad + ["the input data is finite"]
+        batch = task.last_batch if self.check_inputs else None
         raise NonFiniteLossError(
             f"non-finite values at iteration {task.iteration} (phase {task.phase_idx}, {task.phase_type}, "
-            f"local iteration {task.local_iteration_num}): {'; '.join(bad)}; "
+            f"local iteration {task.local_iteration_num}): {diagnose(task.last_model_output, batch)}; "
             f"stopping without writing a checkpoint of this state"
         )
 

@@ -18,6 +18,7 @@ import torch
 
 from ssl_engine import distributed as du
 from ssl_engine.hooks.base import Priority, SSLHook
+from ssl_engine.hooks.deferred_sum import DeferredSum
 from ssl_engine.registry import HOOKS
 
 log = logging.getLogger(__name__)
@@ -85,15 +86,15 @@ class PeriodicWriterHook(SSLHook):
         self.log_frequency = log_frequency
         self.writers = writers
         self.log_test_phases = log_test_phases
-        self._loss_sum: Optional[torch.Tensor] = None
-        self._count = 0
+        self._losses = DeferredSum()
         self._data_time = 0.0
         self._t_last = 0.0
         self._batch_time_sum = 0.0
         self._timed_steps = 0
 
     def on_phase_start(self, task: Any) -> None:
-        self._loss_sum, self._count, self._data_time = None, 0, 0.0
+        self._losses.clear()
+        self._data_time = 0.0
         self._t_last = time.perf_counter()
         self._batch_time_sum, self._timed_steps = 0.0, 0
 
@@ -102,10 +103,8 @@ class PeriodicWriterHook(SSLHook):
         self._batch_time_sum += now - self._t_last
         self._timed_steps += 1
         self._t_last = now
-        loss = task.last_loss
-        if loss is not None:
-            self._loss_sum = loss.float() if self._loss_sum is None else self._loss_sum + loss.float()
-            self._count += 1
+        if task.last_loss is not None:
+            self._losses.add(task.last_loss)
         self._data_time = max(self._data_time, task.last_data_time)
         counter = task.iteration if task.train else task.local_iteration_num
         if (not task.train and not self.log_test_phases) or counter % self.log_frequency != 0:
@@ -114,7 +113,7 @@ class PeriodicWriterHook(SSLHook):
 
     def _emit(self, task: Any) -> None:
         loss_now = float(task.last_loss.float().item()) if task.last_loss is not None else float("nan")
-        avg = float((self._loss_sum / max(1, self._count)).item()) if self._loss_sum is not None else float("nan")
+        avg = self._losses.mean()
         batch_time = self._batch_time_sum / max(1, self._timed_steps)
         loss_now, avg = du.reduce_mean_scalars([loss_now, avg])
         data_time, = du.reduce_max_scalars([self._data_time])
@@ -138,7 +137,8 @@ class PeriodicWriterHook(SSLHook):
             }
             for w in self.writers:
                 w.write(stats)
-        self._loss_sum, self._count, self._data_time = None, 0, 0.0
+        self._losses.clear()
+        self._data_time = 0.0
         self._batch_time_sum, self._timed_steps = 0.0, 0
 
     @staticmethod

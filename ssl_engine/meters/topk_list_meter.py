@@ -22,6 +22,66 @@ ModelOutput = Union[torch.Tensor, Sequence[torch.Tensor]]
 Target = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
+class DeviceAccuracyMeter(AccuracyMeter):
+    """classy_vision's AccuracyMeter with its counts kept on the outputs' device.
+
+    classy's ``update`` reads each top-k count back to the host (``.item()``), one device sync
+    per k per step; here an update is a few queued device ops and the counts are read only
+    when ``value`` or the state is asked for (at phase end, when logging, when checkpointing).
+    The state has classy's layout (float32 CPU tensors), so the two are interchangeable in a
+    checkpoint.
+    """
+
+    def update(self, model_output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> None:
+        k_max = max(self._topk)
+        multi_label = target.ndim == 2 and target.shape[1] == model_output.shape[1]  # one-hot / multi-label rows
+        if k_max == 1 and not multi_label:  # plain top-1: no sort needed
+            correct = (model_output.argmax(dim=1) == (target if target.ndim == 1 else target.reshape(-1))).sum()
+        else:
+            _, pred = model_output.float().topk(k_max, dim=1, largest=True, sorted=True)
+            if multi_label:
+                hits = torch.gather(target, dim=1, index=pred) > 0
+            else:  # class indices, [B] or [B, 1]
+                hits = pred == target.reshape(-1, 1)
+            # correct@k = some hit among the first k predictions
+            correct = torch.stack([hits[:, :k].any(dim=1).sum() for k in self._topk])
+        if self._curr_correct_predictions_k.device != correct.device:
+            self._to(correct.device)
+        self._curr_correct_predictions_k += correct
+        self._uncounted += model_output.shape[0]  # a host int, added to the count tensor when read
+
+    def _count_samples(self) -> None:
+        if self._uncounted:
+            self._curr_sample_count += self._uncounted
+            self._uncounted = 0
+
+    def sync_state(self) -> None:
+        self._count_samples()
+        super().sync_state()
+
+    @property
+    def value(self) -> Dict[str, float]:
+        self._count_samples()
+        return super().value
+
+    def _to(self, device: torch.device) -> None:
+        self._total_correct_predictions_k = self._total_correct_predictions_k.to(device)
+        self._total_sample_count = self._total_sample_count.to(device)
+        self._curr_correct_predictions_k = self._curr_correct_predictions_k.to(device)
+        self._curr_sample_count = self._curr_sample_count.to(device)
+
+    def get_classy_state(self) -> Dict[str, Any]:
+        self._count_samples()
+        return {key: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for key, v in super().get_classy_state().items()}
+
+    def reset(self) -> None:
+        current = getattr(self, "_curr_sample_count", None)  # None while classy's __init__ runs
+        self._uncounted = 0
+        super().reset()
+        if isinstance(current, torch.Tensor) and current.device.type != "cpu":
+            self._to(current.device)
+
+
 class TopKListMeter(ClassyMeter):
     """``num_meters`` copies of one classy_vision top-k meter, one per model output.
 
@@ -83,8 +143,8 @@ class TopKListMeter(ClassyMeter):
                 raise ValueError(f"{self.NAME}: {len(targets)} targets for {len(outputs)} outputs")
         pairs = []
         for out, tgt in zip(outputs, targets):
-            out = out.detach()
-            tgt = tgt.detach()
+            if out.requires_grad:
+                out = out.detach()
             if self.ON_CPU:
                 out, tgt = out.cpu(), tgt.cpu()
             elif tgt.device != out.device:
@@ -154,7 +214,7 @@ class AccuracyListMeter(TopKListMeter):
     """Top-k accuracy (percent of samples whose label is among the k best scores), per head."""
 
     NAME = "accuracy_list_meter"
-    INNER = AccuracyMeter
+    INNER = DeviceAccuracyMeter
 
 
 @METERS.register("precision_at_k_list_meter")

@@ -90,6 +90,8 @@ class SelfSupervisionTask(ClassyTask):
         self.last_batch: Any = None
         self.last_model_output: Any = None
         self.last_loss: Optional[torch.Tensor] = None
+        self.last_num_samples: Optional[int] = None  # real (not padded) samples of the last batch
+        self.pending_loss_check: Any = None  # the device-side finite-loss flag not read yet (train step)
         self.last_data_time = 0.0
         self.stop_requested = False
         self._hook_calls: Dict[str, List[Callable]] = {ev: [] for ev in EVENTS}
@@ -338,7 +340,14 @@ class SelfSupervisionTask(ClassyTask):
         return out
 
     def get_classy_state(self, deep_copy: bool = False) -> Dict[str, Any]:
-        """Everything a resumed run needs to continue bit for bit."""
+        """Everything a resumed run needs to continue bit for bit.
+
+        A loss check still pending on the device (see standard_train_step.check_finite_loss) is
+        read first: a state whose last loss was NaN/inf is never captured.
+        """
+        from ssl_engine.train_steps.standard_train_step import confirm_finite_loss
+
+        confirm_finite_loss(self)
         rng = du.all_gather_object(get_rng_state())
         state = {
             "train": self.train,

@@ -6,9 +6,11 @@ TRAINER.GRAD_ACCUMULATION_STEPS batches, gradient clipping, and a non-finite los
 """
 
 import contextlib
+import math
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ssl_engine.errors import NonFiniteLossError
@@ -30,20 +32,32 @@ def _single(x: Any) -> Any:
     return x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x
 
 
-def valid_rows(batch: Any) -> Optional[torch.Tensor]:
-    """Boolean mask of the batch rows that are real samples, or None when all are (or unknown).
+def real_rows(batch: Any) -> Tuple[Optional[int], Optional[torch.Tensor]]:
+    """(number of real samples, boolean mask of the real rows or None when every row is real).
 
     Rows with ``data_valid <= 0`` are repeats: padding the sampler added to even out the
     ranks' shares (0) or replacements of unreadable images (-1). Meters and the logged loss
-    leave them out so that a phase's values do not depend on the number of ranks.
+    leave them out so that a phase's values do not depend on the number of ranks. Computed on
+    the host batch, before it moves to the device: no device sync. ``(None, None)`` when the
+    batch does not say.
     """
     flags = batch.get("data_valid") if isinstance(batch, dict) else None
     if isinstance(flags, (list, tuple)):  # one entry per data source or view; all mark the same rows
         flags = flags[0] if flags else None
     if not isinstance(flags, torch.Tensor) or flags.ndim != 1:
-        return None
+        return None, None
+    if flags.device.type == "cpu":  # the usual host batch: numpy does this without torch's per-op dispatch
+        real = flags.numpy() > 0
+        n = int(np.count_nonzero(real))
+        return n, (None if n == real.size else torch.from_numpy(real))
     mask = flags > 0
-    return None if bool(mask.all()) else mask
+    n = int(torch.count_nonzero(mask))
+    return n, (None if n == flags.numel() else mask)
+
+
+def valid_rows(batch: Any) -> Optional[torch.Tensor]:
+    """Boolean mask of the batch rows that are real samples, or None when all are (or unknown)."""
+    return real_rows(batch)[1]
 
 
 def _rows(x: Any, mask: torch.Tensor) -> Any:
@@ -59,29 +73,93 @@ def _rows_match(x: Any, n: int) -> bool:
 
 
 def check_finite_loss(task: Any, loss: torch.Tensor) -> None:
-    """Stop the run on a NaN/inf loss, naming iteration and phase (HOOKS.CHECK_NAN)."""
-    if not bool(torch.isfinite(loss).all()):
-        raise NonFiniteLossError(
-            f"the loss is {loss.detach().float().cpu().item()} at iteration {task.iteration} "
-            f"(phase {task.phase_idx}, {task.phase_type}, local iteration {task.local_iteration_num}); "
-            f"stopping without writing a checkpoint of this state"
-        )
+    """Stop the run on a NaN/inf loss, naming iteration and phase (HOOKS.CHECK_NAN).
+
+    On the CPU the loss is read at once (``.item()`` costs no sync there). On an accelerator
+    reading it would stall the host on every step, so the flag is computed on the device and
+    read one step later (:func:`confirm_finite_loss`, at the next step, at the end of the
+    phase's data and before a checkpoint is written): the host runs at most one step ahead of
+    the check and a bad step's state is never checkpointed.
+    """
+    where = (task.iteration, task.phase_idx, task.phase_type, task.local_iteration_num)
+    if loss.device.type == "cpu" and not getattr(task, "defer_loss_check", False):
+        if not math.isfinite(loss.float().sum().item() if loss.ndim else loss.item()):
+            _raise_non_finite(loss, where, task.last_model_output, task.last_batch)
+        return
+    confirm_finite_loss(task)
+    task.pending_loss_check = (torch.isfinite(loss).all(), loss, where, task.last_model_output, task.last_batch)
+
+
+def confirm_finite_loss(task: Any) -> None:
+    """Read the flag :func:`check_finite_loss` left on the device, if any; raise when it is bad."""
+    pending = getattr(task, "pending_loss_check", None)
+    if pending is None:
+        return
+    task.pending_loss_check = None
+    ok, loss, where, output, batch = pending
+    if not bool(ok):
+        _raise_non_finite(loss, where, output, batch)
+
+
+def _raise_non_finite(loss: torch.Tensor, where: Tuple[int, int, str, int], output: Any, batch: Any) -> None:
+    from ssl_engine.hooks.nan_check import diagnose
+
+    iteration, phase_idx, phase_type, local_iter = where
+    value = loss.float().cpu().flatten()[:4].tolist()
+    raise NonFiniteLossError(
+        f"the loss is {value[0] if len(value) == 1 else value} at iteration {iteration} "
+        f"(phase {phase_idx}, {phase_type}, local iteration {local_iter}); {diagnose(output, batch)}; "
+        f"stopping without writing a checkpoint of this state"
+    )
+
+
+class StepSettings(NamedTuple):
+    """The config values a step reads, looked up once per run instead of on every step."""
+
+    move_to_device: bool
+    non_blocking: bool
+    accum: int
+    check_nan: bool
+    training_meters: bool
+    grad_clip: bool
+
+
+def step_settings(task: Any) -> StepSettings:
+    """``task``'s StepSettings, built from its config on first use (the config is fixed during a run)."""
+    cached = getattr(task, "_step_settings", None)
+    if cached is not None and cached[0] is task.config:
+        return cached[1]
+    cfg = task.config
+    settings = StepSettings(
+        move_to_device=task.device.type != "cpu",
+        non_blocking=task.device.type == "cuda" and bool(cfg.DATA.ENABLE_ASYNC_GPU_COPY),
+        accum=int(cfg.TRAINER.GRAD_ACCUMULATION_STEPS),
+        check_nan=bool(cfg.HOOKS.CHECK_NAN),
+        training_meters=bool(cfg.METERS.enable_training_meter),
+        grad_clip=bool(cfg.MODEL.GRAD_CLIP.USE_GRAD_CLIP),
+    )
+    task._step_settings = (task.config, settings)
+    return settings
 
 
 @TRAIN_STEPS.register("standard_train_step")
 def standard_train_step(task: Any) -> None:
     """One iteration of the current phase; raises StopIteration at the end of the data."""
     t0 = time.perf_counter()
-    batch = next(task.data_iterator)
+    try:
+        batch = next(task.data_iterator)
+    except StopIteration:
+        confirm_finite_loss(task)  # the phase's last step, before the phase-end hooks checkpoint
+        raise
     task.last_data_time = time.perf_counter() - t0
-    cfg = task.config
-    non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
-    valid = valid_rows(batch)  # on the host batch: no device sync
-    batch = to_device(batch, task.device, non_blocking)
+    settings = step_settings(task)
+    task.last_num_samples, valid = real_rows(batch)  # on the host batch: no device sync
+    if settings.move_to_device:
+        batch = to_device(batch, task.device, settings.non_blocking)
     task.last_batch = batch
     inputs, target = _single(batch["data"]), _single(batch["label"])
 
-    accum = cfg.TRAINER.GRAD_ACCUMULATION_STEPS if task.train else 1
+    accum = settings.accum if task.train else 1
     is_update_step = (task.local_iteration_num + 1) % accum == 0 or accum == 1
     sync_ctx = contextlib.nullcontext()
     if task.train and not is_update_step and hasattr(task.model, "no_sync"):
@@ -99,12 +177,12 @@ def standard_train_step(task: Any) -> None:
                 loss = task.loss(_rows(output, valid), _rows(target, valid))
             else:
                 loss = task.loss(output, target)
-        if cfg.HOOKS.CHECK_NAN:
-            check_finite_loss(task, loss)
         task.last_loss = loss.detach()
-        if task.meters and (not task.train or cfg.METERS.enable_training_meter):
-            detached = [o.detach().float() for o in output] if isinstance(output, (list, tuple)) else output.detach().float()
-            tgt = target.detach() if isinstance(target, torch.Tensor) else target
+        if settings.check_nan:
+            check_finite_loss(task, task.last_loss)
+        if task.meters and (not task.train or settings.training_meters):
+            detached = [o.detach() for o in output] if isinstance(output, (list, tuple)) else output.detach()
+            tgt = target
             if per_row:
                 detached, tgt = _rows(detached, valid), _rows(tgt, valid)
             if not per_row or bool(valid.any()):
@@ -133,7 +211,7 @@ def _update(task: Any) -> None:
     opt = task.optimizer
     if opt.update_interval == "step":
         opt.set_where(task.where)
-    if cfg.MODEL.GRAD_CLIP.USE_GRAD_CLIP:
+    if step_settings(task).grad_clip:
         if task.grad_scaler is not None:
             task.grad_scaler.unscale_(opt)
         params = [p for p in task.base_model.parameters() if p.grad is not None]

@@ -66,6 +66,7 @@ class SelfSupervisionTrainer:
                     except StopIteration:
                         break
                     task.run_hooks("on_step")
+                task.prefetch_next_phase()
                 task.sync_meters()
                 du.barrier()
                 task.phase_complete = True

@@ -4,8 +4,10 @@ write them as one line of CHECKPOINT.DIR/metrics.json (VISSL's format).
 The phase loss is the mean over samples (each batch's loss weighted by its number of real
 samples, padding left out), summed over ranks: the same value for any number of ranks."""
 
+import errno
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -32,6 +34,24 @@ def read_metrics(path: Path) -> list:
     return out
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` with one write and make it durable (fdatasync), without rewriting the file.
+
+    A write cut short (disk full) is undone, so the file never holds half a line.
+    """
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        written = os.write(fd, data)
+        if written != len(data):
+            os.ftruncate(fd, size)
+            raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a metrics line could be written", str(path))
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
 def flatten_metrics(record: Dict[str, Any], sep: str = "/") -> Dict[str, float]:
     """The numeric leaves of a (nested) phase record, keyed like 'test_accuracy_list_meter/top_1/0'."""
     flat: Dict[str, float] = {}
@@ -54,7 +74,7 @@ def flatten_metrics(record: Dict[str, Any], sep: str = "/") -> Dict[str, float]:
 
 @HOOKS.register("MetricsHook")
 class MetricsHook(SSLHook):
-    """Per-phase meter values: log line plus metrics.json, rewritten atomically.
+    """Per-phase meter values: log line plus one appended line of metrics.json.
 
     Other hooks add values to the phase record by defining ``phase_metrics(task) -> dict``
     (called on every rank, so it may use collectives); each key ``k`` becomes ``{phase}_{k}``.
@@ -72,6 +92,19 @@ class MetricsHook(SSLHook):
         self._losses = DeferredSum()  # this phase's losses since the last fold, weighted by real samples
         self.state.loss_sum = 0.0
         self.state.count = 0
+
+    def on_start(self, task: Any) -> None:
+        """Drop what a crashed attempt left behind: lines of phases this run will (re)do, and a
+        partial last line. Rewrites the file (atomically) only when there is something to drop."""
+        if not du.is_primary() or not self.path.exists():
+            return
+        first_to_run = task.phase_idx + (0 if getattr(task, "_resume_in_phase", False) else 1)
+        text = self.path.read_text()
+        records = read_metrics(self.path)
+        kept = [r for r in records if int(r.get("phase_idx", -1)) < first_to_run]
+        partial = bool(text) and not text.endswith("\n")
+        if len(kept) != len(records) or partial or len(records) != text.count("\n"):
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def on_phase_start(self, task: Any) -> None:
         if not task.phase_resumed:
@@ -122,8 +155,6 @@ class MetricsHook(SSLHook):
             return
         log.info("%s phase %d done: loss %.5f%s", pt, task.phase_idx, mean_loss,
                  "".join(f" | {k} {json.dumps(v)}" for k, v in values.items()))
-        lines = [r for r in read_metrics(self.path) if r.get("phase_idx") != task.phase_idx]
-        lines.append(record)
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in lines))
+        append_line(self.path, json.dumps(record) + "\n")
         for w in self.writers:
             w.write_phase(record)

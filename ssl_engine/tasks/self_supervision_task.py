@@ -69,6 +69,7 @@ class SelfSupervisionTask(ClassyTask):
         self.train = True
         self.phase_complete = False
         self._resume_in_phase = False
+        self._prefetched: Any = None  # ((phase type, epoch, start iter), iterator) from prefetch_next_phase
         self.phase_resumed = False  # True while in a phase re-entered by a mid-phase resume
         self.rank = du.get_rank()
         self.world_size = du.get_world_size()
@@ -277,11 +278,45 @@ class SelfSupervisionTask(ClassyTask):
         self.recreate_data_iterator(self.phase_type, max(self.train_phase_idx, 0), start_iter)
 
     def recreate_data_iterator(self, phase_type: str, epoch: int, start_iter: int) -> None:
-        """A fresh iterator over the phase's data: order set by (seed, epoch), starting at start_iter."""
+        """A fresh iterator over the phase's data: order set by (seed, epoch), starting at start_iter.
+
+        Takes the iterator :meth:`prefetch_next_phase` started, when it is still untouched.
+        """
         loader = self.dataloaders["TRAIN" if phase_type == "train" else "TEST"]
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == (phase_type, epoch, start_iter):
+            it = prefetched[1]
+            untouched = getattr(it, "_num_yielded", None) == 0 and getattr(loader, "_iterator", None) is it
+            sampler = loader.sampler
+            if untouched and (sampler.epoch, sampler.start_iter) == (epoch, start_iter):
+                self.data_iterator = it
+                return
         loader.sampler.set_epoch(epoch)
         loader.sampler.set_start_iter(start_iter)
         self.data_iterator = iter(loader)
+
+    def prefetch_next_phase(self) -> None:
+        """Start the next phase's data iterator now, when the loader has workers.
+
+        Called when a phase's data is exhausted, before its phase-end hooks (meter sync, metrics,
+        checkpoint), so the workers load the next phase's first batches while those run instead
+        of after. :meth:`recreate_data_iterator` takes it only if nothing used the loader in
+        between (e.g. PreciseBN iterating the train data); otherwise it starts a fresh one.
+        Nothing of it is in a checkpoint: the loader position is derived from the counters.
+        """
+        nxt = self.phase_idx + 1
+        if nxt >= len(self.phases) or self._resume_in_phase:
+            return
+        train = bool(self.phases[nxt]["train"])
+        split = "TRAIN" if train else "TEST"
+        loader = self.dataloaders.get(split)
+        if loader is None or loader.num_workers == 0:  # nothing runs ahead without workers
+            return
+        epoch = max(self.train_phase_idx + (1 if train else 0), 0)
+        self.data_iterator = None  # the finished phase's (exhausted; with persistent workers it is reused)
+        loader.sampler.set_epoch(epoch)
+        loader.sampler.set_start_iter(0)
+        self._prefetched = (("train" if train else "test", epoch, 0), iter(loader))
 
     def sync_meters(self) -> None:
         for m in self.meters:

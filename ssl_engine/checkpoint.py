@@ -5,16 +5,25 @@ model_final_checkpoint_phase{N}.torch, and checkpoint.torch, a symlink to the ne
 Every file is written to a temporary name in the same folder, fsynced and renamed into
 place, so a crash at any instant leaves the previous checkpoint loadable. Files are read
 with torch.load(weights_only=True): loading never executes code.
+
+With CHECKPOINT.ASYNC_WRITE the training thread only takes a snapshot of the state (a CPU
+copy of its tensors, see ``snapshot_state``) and one background thread does the rest of
+``save_checkpoint`` (serialize, temporary file, fsync, rename, folder fsync, pointer swap,
+pruning); see ``CheckpointWriter``.
 """
 
+import copy
 import errno
 import logging
 import os
 import pickle
 import re
+import threading
 import zipfile
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -144,16 +153,292 @@ def point_to(folder: Path, name: str) -> None:
         raise CheckpointError(f"cannot update {POINTER} in {folder}: {e.strerror}") from e
 
 
-def save_checkpoint(folder: Path, name: str, checkpoint: Dict[str, Any], keep_last: int = -1) -> Path:
-    """Write ``checkpoint`` as folder/name atomically, point checkpoint.torch at it, prune old ones."""
+class WriteAbandoned(Exception):
+    """A background write was given up (the run was interrupted) before its file was renamed into place."""
+
+
+class _AbandonableFile:
+    """The file object torch.save writes to, refusing further writes once the write is abandoned,
+    so that an interrupted run does not wait for the rest of a large checkpoint."""
+
+    def __init__(self, f: Any, cancel: threading.Event) -> None:
+        self._f = f
+        self._cancel = cancel
+
+    def write(self, data: Any) -> int:
+        if self._cancel.is_set():
+            raise WriteAbandoned("checkpoint write abandoned")
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _torch_save_to(f: Any, obj: Any, cancel: Optional[threading.Event]) -> None:
+    """torch.save ``obj`` into the open file ``f``; with ``cancel``, stop (and raise) once it is set."""
+    if cancel is None:
+        torch.save(obj, f)
+        return
+    torch.save(obj, _AbandonableFile(f, cancel))
+    if cancel.is_set():  # before the fsync and the rename: the temporary file is removed
+        raise WriteAbandoned("checkpoint write abandoned")
+
+
+def save_checkpoint(
+    folder: Path, name: str, checkpoint: Dict[str, Any], keep_last: int = -1, cancel: Optional[threading.Event] = None
+) -> Path:
+    """Write ``checkpoint`` as folder/name atomically, point checkpoint.torch at it, prune old ones.
+
+    ``cancel`` (set by CheckpointWriter.abandon) stops the write before the file is renamed into
+    place; once it is, the pointer swap and the pruning are always done.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    atomic_write(path, lambda f: torch.save(checkpoint, f))
+    atomic_write(path, lambda f: _torch_save_to(f, checkpoint, cancel))
     point_to(folder, name)
     if keep_last > 0:
         prune(folder, keep_last, protect={name})
     return path
+
+
+# ----------------------------------------------------------------------------------------
+# Writing in the background (CHECKPOINT.ASYNC_WRITE): a snapshot on the training thread, the
+# file on one writer thread.
+
+
+@dataclass
+class Snapshot:
+    """A copy of a state that later training steps cannot change.
+
+    ``events`` are CUDA events recorded after the device-to-host copies were queued; the
+    writer waits for them (``ready``), so that the training thread never does.
+    """
+
+    state: Any
+    events: List[Any] = field(default_factory=list)
+
+    def ready(self) -> Any:
+        """The state, once every queued device-to-host copy has landed."""
+        for event in self.events:
+            event.synchronize()
+        self.events = []
+        return self.state
+
+
+def _tensors_in(obj: Any, seen: Optional[set] = None) -> Iterator[torch.Tensor]:
+    """Every tensor inside the containers (dicts, lists, tuples, sets) of a state."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple, set, frozenset)) and id(obj) not in seen:
+        seen.add(id(obj))  # the state holds obj: its id is not reused while we walk
+        items = [x for kv in obj.items() for x in kv] if isinstance(obj, dict) else obj
+        for item in items:
+            yield from _tensors_in(item, seen)
+
+
+def _plain_strided(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor (or Parameter) whose storage can be copied byte for byte."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_quantized
+            and t.device.type != "meta" and not t.__dict__)
+
+
+def _copy_storage(t: torch.Tensor, copies: Dict[Tuple[str, int, int], torch.Tensor], devices: set) -> torch.Tensor:
+    """A CPU copy of ``t``'s whole storage (as uint8), shared by every tensor that views it.
+
+    A CUDA storage is copied into pinned memory with a non-blocking copy on the current
+    stream: later kernels that update the source are queued after it, so the training
+    thread does not wait for it (the writer does, see Snapshot.ready).
+    """
+    storage = t.untyped_storage()
+    key = (str(t.device), storage.data_ptr(), storage.nbytes())
+    if storage.nbytes() and key in copies:
+        return copies[key]
+    source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    on_cuda = t.device.type == "cuda"
+    target = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=on_cuda)
+    target.copy_(source, non_blocking=on_cuda)
+    if on_cuda:
+        devices.add(t.device)
+    if storage.nbytes():
+        copies[key] = target
+    return target
+
+
+def _cpu_copy(t: torch.Tensor, copies: Dict[Tuple[str, int, int], torch.Tensor], devices: set) -> torch.Tensor:
+    """A CPU tensor equal to ``t`` (dtype, shape, strides, storage offset, storage sharing,
+    requires_grad, Parameter-ness), so that torch.save writes the same data for it."""
+    if not _plain_strided(t):
+        return t.detach().to("cpu", copy=True) if t.device.type != "meta" else t.detach().clone()
+    storage = _copy_storage(t, copies, devices).untyped_storage()
+    out = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out.requires_grad_(t.requires_grad) if t.requires_grad else out
+
+
+def snapshot_state(state: Any) -> Snapshot:
+    """A copy of ``state`` that later training steps cannot change: every tensor copied to CPU
+    memory (views of one storage keep sharing one copy), every mutable python object
+    deep-copied, immutable ones shared.
+
+    Cost: one extra CPU copy of the state's tensors, held until the write that uses it ends.
+    """
+    copies: Dict[Tuple[str, int, int], torch.Tensor] = {}
+    devices: set = set()
+    memo: Dict[int, Any] = {}
+    for t in _tensors_in(state):
+        if id(t) not in memo:
+            memo[id(t)] = _cpu_copy(t, copies, devices)
+    snap = copy.deepcopy(state, memo)
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return Snapshot(snap, events)
+
+
+class CheckpointWriter:
+    """Writes checkpoint files on one background thread, one file at a time.
+
+    ``submit`` first waits for the previous write (and raises its error), then starts a new
+    thread for the next one, so at most one write is in flight and no thread lingers between
+    writes. An error of the writer (a CheckpointError for a full disk, say) is raised by the
+    next ``submit`` or ``wait``, in the training thread. Only the thread that submits calls
+    these methods.
+    """
+
+    def __init__(self) -> None:
+        self._future: Optional[Future] = None
+        self._thread: Optional[threading.Thread] = None
+        self._cancel = threading.Event()
+        self._what = ""
+
+    def in_flight(self) -> bool:
+        """Whether a write was submitted and not yet waited for."""
+        return self._future is not None
+
+    def submit(self, job: Callable[[threading.Event], Any], what: str) -> None:
+        """Wait for the previous write, then run ``job(cancel_event)`` on a new writer thread."""
+        self.wait()
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        cancel = threading.Event()
+        thread = threading.Thread(target=self._run, args=(job, cancel, future), name="checkpoint-writer")
+        self._future, self._thread, self._cancel, self._what = future, thread, cancel, what
+        thread.start()
+
+    @staticmethod
+    def _run(job: Callable[[threading.Event], Any], cancel: threading.Event, future: Future) -> None:
+        """Body of the writer thread: the outcome of ``job`` goes to ``future``."""
+        try:
+            result = job(cancel)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    def wait(self) -> Any:
+        """Block until the write in flight is on disk; raise its error. No-op when none is."""
+        future = self._future
+        if future is None:
+            return None
+        try:
+            return future.result()
+        finally:
+            if future.done():  # an interrupted wait leaves the write in flight
+                self._forget()
+
+    def abandon(self) -> None:
+        """Stop the write in flight: a file not yet renamed into place is given up and its
+        temporary file removed (one already renamed gets its pointer swap); never raises an
+        error of the write, logs it."""
+        if self._future is None:
+            return
+        self._cancel.set()
+        try:
+            self._future.result()
+        except KeyboardInterrupt:  # interrupted once more: the thread still ends soon, on its own
+            raise
+        except BaseException as e:  # noqa: BLE001
+            if _abandoned(e):
+                log.warning("abandoned the write of %s; its temporary file is removed", self._what)
+            else:
+                log.error("the write of %s failed: %s", self._what, " ".join(str(e).split()))
+        finally:
+            if self._future is not None and self._future.done():
+                self._forget()
+
+    def _forget(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self._future, self._thread = None, None
+
+    def reset_after_fork(self) -> None:
+        """A forked child (a dataloader worker) has no writer thread: it starts with none in flight."""
+        self._future, self._thread, self._cancel = None, None, threading.Event()
+
+
+def _abandoned(e: Optional[BaseException]) -> bool:
+    """Whether ``e`` (or what it wraps: torch.save re-raises errors of the file) is WriteAbandoned."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, WriteAbandoned):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+_WRITER = CheckpointWriter()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WRITER.reset_after_fork)
+
+
+def save_checkpoint_async(
+    folder: Path, name: str, checkpoint: Dict[str, Any], keep_last: int = -1,
+    on_saved: Optional[Callable[[Path], None]] = None,
+) -> None:
+    """``save_checkpoint`` on the background writer: waits for the previous write (raising its
+    error), snapshots ``checkpoint`` now, and returns; the file, the pointer swap and the
+    pruning follow in the background. ``on_saved(path)`` runs there once the file is durable."""
+    _WRITER.wait()
+    snap = snapshot_state(checkpoint)
+
+    def job(cancel: threading.Event) -> Path:
+        path = save_checkpoint(folder, name, snap.ready(), keep_last=keep_last, cancel=cancel)
+        if on_saved is not None:
+            on_saved(path)
+        return path
+
+    _WRITER.submit(job, name)
+
+
+def checkpoint_write_in_flight() -> bool:
+    """Whether a background write was submitted and not yet waited for."""
+    return _WRITER.in_flight()
+
+
+def wait_for_checkpoint_writes() -> None:
+    """Block until the background write in flight (if any) is durable; raise its error (one
+    line for the user, e.g. "cannot write model_phase1.torch in /runs/x: the disk is full ...")."""
+    _WRITER.wait()
+
+
+def settle_checkpoint_writes() -> None:
+    """On the way out of a failed run: finish the write in flight (it holds a state from before
+    the failure); if interrupted again while waiting (a second Ctrl-C), abandon it. Its own
+    error is logged, not raised, so that it does not hide the failure of the run."""
+    if not _WRITER.in_flight():
+        return
+    try:
+        _WRITER.wait()
+    except KeyboardInterrupt:
+        _WRITER.abandon()
+    except BaseException as e:  # noqa: BLE001
+        log.error("the checkpoint written in the background failed: %s", " ".join(str(e).split()))
 
 
 def list_checkpoints(folder: Path) -> List[Path]:

@@ -74,15 +74,20 @@ def init_process_group(info: RankInfo, timeout_minutes: float) -> None:
     """Join the job's process group (nothing to do for a one-process run).
 
     With nccl the rank's GPU (cuda:<local_rank>) is made current first, so that NCCL's
-    communicators and every later ``.cuda()`` land on it. ``timeout_minutes`` bounds how
+    communicators and every later ``.cuda()`` land on it, and CPU tensors use a gloo backend
+    of the same group. ``timeout_minutes`` bounds how
     long a collective waits for a rank that never arrives.
     """
     if info.world_size <= 1 or dist.is_initialized():
         return
-    if info.backend == "nccl":
+    backend = info.backend
+    if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
+        # CUDA tensors go through NCCL; the small CPU-tensor collectives (preemption vote, loss
+        # sums, logged scalars) through gloo, which NCCL alone would refuse
+        backend = "cuda:nccl,cpu:gloo"
     dist.init_process_group(
-        backend=info.backend,
+        backend=backend,
         init_method=info.init_method,
         rank=info.rank,
         world_size=info.world_size,

@@ -221,7 +221,9 @@ def test_preemption_signal_checkpoints_and_exits_3(setup, reference):
 def test_resume_does_not_replay_data(setup, tmp_path):
     root, cfg = setup
     folder, reads = tmp_path / "run", tmp_path / "reads.txt"
-    r = run(cfg, folder, "config.TEST_MODEL=false", kill="step:4")  # checkpoint at iteration 4 of phase 0
+    # the iteration-4 checkpoint must be on disk at the kill: written synchronously (a background
+    # write still in flight at a SIGKILL is lost, and the run resumes from the one before)
+    r = run(cfg, folder, "config.TEST_MODEL=false", "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:4")
     assert r.returncode == -signal.SIGKILL
     reads.write_text("")
     r = run(cfg, folder, "config.TEST_MODEL=false", reads=reads)
@@ -235,7 +237,7 @@ def test_resume_does_not_replay_data(setup, tmp_path):
 def test_truncated_newest_checkpoint_is_skipped(setup, reference):
     root, cfg = setup
     folder = root / "truncated"
-    r = run(cfg, folder, kill="step:9")
+    r = run(cfg, folder, "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:9")  # step 8's file on disk
     assert r.returncode == -signal.SIGKILL
     newest = (folder / "checkpoint.torch").resolve()
     assert newest.name == "model_iteration8.torch"

@@ -9,6 +9,10 @@ ignored. The file is a full checkpoint (VISSL's keys, loadable as MODEL.WEIGHTS_
 ``best_metric: {name, value, mode, iteration, phase_idx, train_phase_idx}``, written
 atomically by rank 0. It is never the target of checkpoint.torch, so it does not change what
 a run resumes from; the best value so far is hook state and survives a resume.
+
+The file is written on the training thread, after the background write in flight (see
+CHECKPOINT.ASYNC_WRITE) has finished, so that it is on disk when the hook returns and the two
+writes never overlap.
 """
 
 import logging
@@ -19,7 +23,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ssl_engine import distributed as du
-from ssl_engine.checkpoint import atomic_write
+from ssl_engine.checkpoint import atomic_write, wait_for_checkpoint_writes
 from ssl_engine.errors import UserError, did_you_mean
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.checkpoint_hook import build_checkpoint
@@ -119,6 +123,7 @@ class BestCheckpointer(SSLHook):
         if du.is_primary():
             path = Path(task.checkpoint_folder) / self.file_name
             path.parent.mkdir(parents=True, exist_ok=True)
+            wait_for_checkpoint_writes()  # one writer at a time; raises the error of a failed one
             atomic_write(path, lambda f: torch.save(ckpt, f))
             log.info("new best %s = %.6g at iteration %d (was %s): saved %s", self.metric, self.state.best_value,
                      task.iteration, "none" if previous is None else f"{previous:.6g}", path)

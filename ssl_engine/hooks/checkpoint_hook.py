@@ -3,16 +3,32 @@
 Every rank takes part in building the state (RNG states are gathered from all ranks); only
 rank 0 writes the file. A preemption request (SIGTERM/SIGUSR1) is agreed on by all ranks
 at a step boundary, written as an iteration checkpoint, and ends the run.
+
+With CHECKPOINT.ASYNC_WRITE (the default) rank 0 hands a snapshot of the state to the
+background writer of ssl_engine.checkpoint and training goes on while the file is written.
+The preemption and final checkpoints are written before the hook returns (after the write in
+flight), the run waits for the write in flight at on_end, and a failed run finishes it (or, on
+a second Ctrl-C, abandons it) in on_exception. A failed background write (a full disk) stops
+the run at the next save or at on_end with the same one-line error as a synchronous one.
 """
 
 import logging
-from typing import Any, Dict
+from pathlib import Path
+from typing import Any, Dict, Optional
 
 import torch
 
 from ssl_engine import distributed as du
 from ssl_engine import preemption
-from ssl_engine.checkpoint import final_checkpoint_name, iteration_checkpoint_name, phase_checkpoint_name, save_checkpoint
+from ssl_engine.checkpoint import (
+    final_checkpoint_name,
+    iteration_checkpoint_name,
+    phase_checkpoint_name,
+    save_checkpoint,
+    save_checkpoint_async,
+    settle_checkpoint_writes,
+    wait_for_checkpoint_writes,
+)
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.registry import HOOKS
 
@@ -31,24 +47,63 @@ def build_checkpoint(task: Any, kind: str) -> Dict[str, Any]:
     }
 
 
-def write_checkpoint(task: Any, name: str, kind: str) -> None:
-    """Build the state on every rank; write it from rank 0."""
+def async_write_enabled(task: Any) -> bool:
+    """CHECKPOINT.ASYNC_WRITE of the task's config (true when a hand-made config lacks it)."""
+    return bool(task.config.CHECKPOINT.get("ASYNC_WRITE", True))
+
+
+def _log_saved(path: Path) -> None:
+    log.info("saved checkpoint %s", path)
+
+
+def write_checkpoint(task: Any, name: str, kind: str, wait: Optional[bool] = None) -> None:
+    """Build the state on every rank; write it from rank 0.
+
+    ``wait``: True writes the file before returning (after any write in flight), False in the
+    background, None as CHECKPOINT.ASYNC_WRITE says. In the background, rank 0 waits for the
+    previous write (raising its error), snapshots the state, and returns.
+    """
     ckpt = build_checkpoint(task, kind)
     if du.is_primary():
         keep = task.config.CHECKPOINT.KEEP_LAST
-        path = save_checkpoint(task.checkpoint_folder, name, ckpt, keep_last=keep)
-        log.info("saved checkpoint %s", path)
+        background = async_write_enabled(task) if wait is None else not wait
+        if background:
+            save_checkpoint_async(task.checkpoint_folder, name, ckpt, keep_last=keep, on_saved=_log_saved)
+        else:
+            wait_for_checkpoint_writes()
+            _log_saved(save_checkpoint(task.checkpoint_folder, name, ckpt, keep_last=keep))
     du.barrier()
 
 
-def preemption_agreed() -> bool:
-    """True on every rank when any rank was asked to stop."""
-    flag = preemption.requested()
-    if du.get_world_size() > 1:
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        flag = bool(t.item())
-    return flag
+class PreemptionVote:
+    """Whether any rank was asked to stop, agreed on by all ranks without a blocking collective.
+
+    One process reads its own flag. With several ranks, each step starts a non-blocking MAX
+    all-reduce of the local flags and reads the one started the step before (long finished by
+    then), so every rank learns the same answer at the same iteration, one step after the
+    signal, and no step waits on the network for it.
+    """
+
+    def __init__(self) -> None:
+        self._flag: Optional[torch.Tensor] = None
+        self._work: Any = None
+
+    def agreed(self) -> bool:
+        if du.get_world_size() <= 1:
+            return preemption.requested()
+        stop = False
+        if self._work is not None:
+            self._work.wait()
+            stop = bool(self._flag.item())  # type: ignore[union-attr]
+        self._flag = torch.tensor([1 if preemption.requested() else 0], dtype=torch.int32)
+        self._work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        return stop
+
+    def finish(self) -> None:
+        """Wait for the vote in flight (at the end of the run, before the group goes away)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
 
 
 @HOOKS.register("CheckpointHook")
@@ -61,10 +116,11 @@ class CheckpointHook(SSLHook):
         super().__init__()
         self.phase_frequency = phase_frequency
         self.iteration_frequency = iteration_frequency
+        self._vote = PreemptionVote()
 
     def on_step(self, task: Any) -> None:
-        if preemption_agreed():
-            write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration")
+        if self._vote.agreed():  # written before the process exits (code 3)
+            write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration", wait=True)
             raise preemption.Preempted(
                 f"stopped on a preemption signal at iteration {task.iteration}; rerun the same command to resume"
             )
@@ -72,7 +128,16 @@ class CheckpointHook(SSLHook):
             write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration")
 
     def on_phase_end(self, task: Any) -> None:
-        if task.done_training():
-            write_checkpoint(task, final_checkpoint_name(task.train_phase_idx), "final")
+        if task.done_training():  # nothing is left to overlap it with: on disk before later hooks run
+            write_checkpoint(task, final_checkpoint_name(task.train_phase_idx), "final", wait=True)
         elif task.train and (task.train_phase_idx + 1) % self.phase_frequency == 0:
             write_checkpoint(task, phase_checkpoint_name(task.train_phase_idx), "phase")
+
+    def on_end(self, task: Any) -> None:
+        """The run ends with every checkpoint on disk (or the write's error raised)."""
+        self._vote.finish()
+        wait_for_checkpoint_writes()
+
+    def on_exception(self, task: Any) -> None:
+        """A failed run still finishes the write in flight (a second Ctrl-C abandons it)."""
+        settle_checkpoint_writes()

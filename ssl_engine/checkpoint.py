@@ -61,16 +61,22 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _os_error_in(e: Optional[BaseException]) -> Optional[OSError]:
-    """The OSError behind ``e``: torch.save reports a failed write as a RuntimeError whose
-    context holds the real error (ENOSPC, EACCES...)."""
+def _in_chain(e: Optional[BaseException], kind: type) -> Optional[BaseException]:
+    """The first exception of type ``kind`` in ``e``'s cause/context chain: torch.save reports a
+    failed write as a RuntimeError whose context holds the real error (ENOSPC, EACCES...)."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, OSError):
+        if isinstance(e, kind):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def _os_error_in(e: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError behind ``e``, if any."""
+    found = _in_chain(e, OSError)
+    return found if isinstance(found, OSError) else None
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
@@ -383,13 +389,7 @@ class CheckpointWriter:
 
 def _abandoned(e: Optional[BaseException]) -> bool:
     """Whether ``e`` (or what it wraps: torch.save re-raises errors of the file) is WriteAbandoned."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, WriteAbandoned):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
+    return _in_chain(e, WriteAbandoned) is not None
 
 
 _WRITER = CheckpointWriter()

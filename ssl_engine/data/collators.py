@@ -85,7 +85,7 @@ def default_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
         # the usual case, one entry each: one tensor for the three int lists, one row per key
         rows = _ints([[s[key][0] for s in batch] for key in int_keys])
         if rows.ndim == 2:
-            out.update({key: [rows[i]] for i, key in enumerate(int_keys)})
+            out.update({key: [row] for key, row in zip(int_keys, rows.unbind(0))})
             out.update(_extra_keys(batch))
             return out
     for key, m in zip(int_keys, counts):

@@ -525,3 +525,22 @@ def test_corrupt_image_error_mode_names_the_file(tmp_path: Any) -> None:
     ds[0]
     with pytest.raises(UserError, match=r"img1\.png.*ON_CORRUPT_IMAGE"):
         ds[1]
+
+
+def test_batch_reads_match_sample_reads() -> None:
+    """__getitems__ looks labels up once per batch; the samples must be those of __getitem__,
+    with a DATA_LIMIT subset, padded keys and transforms that draw randomness."""
+    from ssl_engine.data.sampler import PaddedIndex
+
+    ds = build_dataset(make_cfg(DATA_LIMIT=40, SYNTHETIC_NUM_CLASSES=7,
+                                TRANSFORMS=[{"name": "RandomHorizontalFlip"}, {"name": "ToTensor"}]), "TRAIN")
+    keys = [(2, 5), (2, 39), PaddedIndex(2, 0), (2, 17), (3, 5)]
+    batch = ds.__getitems__(keys)
+    single = [ds[k] for k in keys]
+    for b, s in zip(batch, single):
+        assert b["label"] == s["label"] and b["data_valid"] == s["data_valid"] and b["data_idx"] == s["data_idx"]
+        assert tensors_equal(b["data"], s["data"])
+    assert [b["label"][0] for b in batch] == [int(ds.get_labels()[k[1]]) for k in keys]
+    assert batch[2]["data_valid"] == [0]
+    with pytest.raises(IndexError, match="out of range"):
+        ds.__getitems__([(0, 1), (0, 40)])

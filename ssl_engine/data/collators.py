@@ -51,12 +51,19 @@ def _ints(values: List[Any]) -> torch.Tensor:
 
 
 def _num_entries(batch: Sequence[Dict[str, Any]], key: str) -> int:
-    n = len(batch[0][key])
+    return _entry_counts(batch, [key])[0]
+
+
+def _entry_counts(batch: Sequence[Dict[str, Any]], keys: Sequence[str]) -> List[int]:
+    """How many entries each of ``keys`` has, the same in every sample (one pass over the batch)."""
+    first = [len(batch[0][key]) for key in keys]
     for s in batch:
-        if len(s[key]) != n:
-            counts = sorted({len(t[key]) for t in batch})
-            raise UserError(f"cannot batch samples with different numbers of {key!r} entries: {counts}")
-    return n
+        if [len(s[key]) for key in keys] != first:
+            for key in keys:
+                counts = sorted({len(t[key]) for t in batch})
+                if len(counts) > 1:
+                    raise UserError(f"cannot batch samples with different numbers of {key!r} entries: {counts}")
+    return first
 
 
 def _extra_keys(batch: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -77,10 +84,9 @@ def default_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
     if not batch:
         raise ValueError("default_collate got an empty batch")
     out: Dict[str, Any] = {}
-    n = _num_entries(batch, "data")
-    out["data"] = [_stack([s["data"][j] for s in batch], f"data entry {j}") for j in range(n)]
     int_keys = [key for key in ("label", "data_valid", "data_idx") if key in batch[0]]
-    counts = [_num_entries(batch, key) for key in int_keys]
+    n, *counts = _entry_counts(batch, ["data", *int_keys])
+    out["data"] = [_stack([s["data"][j] for s in batch], f"data entry {j}") for j in range(n)]
     if counts and all(c == 1 for c in counts) and all(type(batch[0][key][0]) is int for key in int_keys):
         # the usual case, one entry each: one tensor for the three int lists, one row per key
         rows = _ints([[s[key][0] for s in batch] for key in int_keys])

@@ -220,6 +220,10 @@ class SSLDataset(Dataset):
         raise UserError(f"none of the {n} {self.split} images can be read (see the warnings above for the files)")
 
     def __getitem__(self, key: Union[int, Tuple[int, int]]) -> Dict[str, Any]:
+        return self._sample(key, None)
+
+    def _sample(self, key: Union[int, Tuple[int, int]], labels: Optional[List[Any]]) -> Dict[str, Any]:
+        """Sample ``key``; ``labels`` are its labels when the caller looked them up already."""
         if isinstance(key, (tuple, list)):
             epoch, idx = int(key[0]), int(key[1])
         else:
@@ -229,13 +233,14 @@ class SSLDataset(Dataset):
         images, used = self._load(idx)
         if used != idx:
             self.num_skipped += 1
+            labels = None  # the replacement's labels
         k = len(images)
         # 1: the sample itself; -1: an unreadable image replaced by the next readable one;
         # 0: a repeat the sampler added to even out the ranks' shares (not counted by meters).
         valid = 0 if is_padded(key) else (1 if used == idx else -1)
         sample: Dict[str, Any] = {
             "data": images,
-            "label": self._labels_for(idx, used),
+            "label": labels if labels is not None else self._labels_for(idx, used),
             "data_valid": [valid] * k,
             "data_idx": [idx] * k,
         }
@@ -251,15 +256,34 @@ class SSLDataset(Dataset):
                     return self._transforms(sample)
         return self._transforms(sample)
 
+    def _batch_labels(self, keys: Sequence[Any]) -> List[Optional[List[Any]]]:
+        """The labels of every key, looked up with one array index per label source (standard
+        integer labels), or ``None`` per key where each sample must look up its own."""
+        nothing: List[Optional[List[Any]]] = [None] * len(keys)
+        if self.label_type != "standard" or not all(a.dtype.kind in "iu" and a.ndim == 1 for a in self.label_arrays):
+            return nothing
+        try:
+            idx = np.fromiter((k[1] if isinstance(k, (tuple, list)) else k for k in keys), dtype=np.int64, count=len(keys))
+        except (TypeError, ValueError):
+            return nothing
+        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
+            return nothing  # the sample itself raises the error that names the index
+        j = self.subset[idx] if self.subset is not None else idx
+        columns = [arr[j].tolist() for arr in self.label_arrays]
+        return [list(row) for row in zip(*columns)] if columns else [[] for _ in keys]
+
+    def _samples(self, keys: Sequence[Any]) -> List[Dict[str, Any]]:
+        return [self._sample(k, labels) for k, labels in zip(keys, self._batch_labels(keys))]
+
     def __getitems__(self, keys: Sequence[Any]) -> List[Dict[str, Any]]:
-        """A batch of samples; in the training process the caller's RNG states are saved and
-        restored once per batch rather than once per sample."""
+        """A batch of samples: labels looked up for the whole batch at once and, in the training
+        process, the caller's RNG states saved and restored once per batch, not once per sample."""
         if not self._draws_randomness or get_worker_info() is not None:
-            return [self[k] for k in keys]
+            return self._samples(keys)
         with preserved_rng():
             self._rng_preserved = True
             try:
-                return [self[k] for k in keys]
+                return self._samples(keys)
             finally:
                 self._rng_preserved = False
 

@@ -6,14 +6,20 @@ samples of 3x32x32, batch 256, no loader workers. Samples come from a pool of 25
 
 - engine: the ``extract_features`` engine (``engine_name=extract_features``) in this process,
   writing VISSL's shards (``rank0_chunk{C}_train_fc1_{features,targets,inds}.npy``, a shard
-  every 4,096 samples, each file written atomically);
+  every 4,096 samples, each file written atomically and durably: temporary name, fsync,
+  rename, folder fsync; the files of a chunk are written by background threads while the next
+  chunk is computed, and the split's time ends when the last file is on disk);
 - plain: ``model.eval()``, ``torch.no_grad()``, every batch's features, targets and indices
-  appended to lists, concatenated and ``np.save``d once at the end (what a short script does).
+  appended to lists, concatenated and ``np.save``d once at the end (what a short script does:
+  no fsync, so its files may still be in the page cache when its clock stops; the engine's
+  durability is part of what it is measured with).
 
-Each (side, size) runs in a fresh process so that its peak RSS (``ru_maxrss``) is its own.
+Each (side, size) runs in a fresh process so that its peak RSS (VmHWM) is its own.
 Figures: samples/s of the extraction loop including writing the arrays (the engine's own
-per-split time, the plain loop's time from its first batch to its saved files), peak RSS, and
-the RSS the extraction added over the process's RSS before it started.
+per-split time: clearing old shards, building the loader, the loop, waiting for the last
+shard; the plain loop's time from its first batch to its saved files; model and data set are
+built before either clock starts), peak RSS, and the RSS the extraction added over the
+process's RSS before it started.
 """
 
 import argparse

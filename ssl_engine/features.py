@@ -7,13 +7,17 @@ samples, with VISSL's names::
     <folder>/rank{R}_chunk{C}_{split}_{layer}_targets.npy    [n] (or [n, L] with several labels)
     <folder>/rank{R}_chunk{C}_{split}_{layer}_inds.npy       [n] int64 sample indices
 
-(``split`` in lower case). Every file is written to a temporary name and renamed into place,
-so a reader never sees half a shard, and a rank never holds more than one chunk of a split in
-memory. :func:`load_features` merges the shards of all ranks and chunks, sorted by index;
-:func:`iter_shards` walks them one at a time without loading the rest.
+(``split`` in lower case). Every file is written to a temporary name, fsynced and renamed into
+place, so a reader never sees half a shard, even after a crash. The files of a chunk are written
+in the background, in parallel (so their fsyncs share the file system's journal commits), while
+the next chunk is computed; a rank never holds more than two chunks of a split in memory (the
+one being written and the one being filled). :func:`load_features` merges the shards of all
+ranks and chunks, sorted by index; :func:`iter_shards` walks them one at a time without loading
+the rest.
 """
 
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -24,6 +28,8 @@ from ssl_engine.checkpoint import atomic_write
 from ssl_engine.errors import UserError
 
 DEFAULT_CHUNK_THRESHOLD = 4096
+# Threads that write the files of a chunk (3 per layer: features, targets, inds) at the same time.
+MAX_WRITE_THREADS = 8
 KINDS = ("features", "targets", "inds")
 _SHARD_RE = re.compile(r"^rank(\d+)_chunk(\d+)_([a-z0-9]+)_(.+)_(features|targets|inds)\.npy$")
 
@@ -199,8 +205,14 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
 class ShardWriter:
     """Buffers the features of one rank and split, and writes a shard every ``chunk_threshold`` samples.
 
-    ``add`` takes a batch: ``{layer: [n, ...] array}``, targets ``[n, ...]`` and inds ``[n]``.
-    Memory stays below one chunk plus one batch whatever the size of the split.
+    ``add`` takes a batch: ``{layer: [n, ...] array}``, targets ``[n, ...]`` and inds ``[n]``;
+    the arrays must not be modified after ``add``: they are written later, by another thread.
+    A full chunk's files are handed to writer threads (each file through :func:`save_npy`:
+    temporary name, fsync, rename, folder fsync) and ``add`` returns at once; the next flush
+    first waits for them, so memory stays below two chunks plus one batch whatever the size of
+    the split. :meth:`close` writes the last chunk and returns once every file is on disk; a
+    failed write raises there (or at the next flush). Use the writer as a context manager, or
+    call :meth:`abort` on an error, so that no writer thread outlives the extraction.
     """
 
     def __init__(self, folder: Path, rank: int, split: str, chunk_threshold: int = DEFAULT_CHUNK_THRESHOLD) -> None:
@@ -216,6 +228,8 @@ class ShardWriter:
         self._targets: List[np.ndarray] = []
         self._inds: List[np.ndarray] = []
         self._buffered = 0
+        self._pool: Optional[ThreadPoolExecutor] = None  # started at the first flush
+        self._writing: List[Future] = []  # the files of the chunk being written
 
     @property
     def layers(self) -> List[str]:
@@ -241,9 +255,46 @@ class ShardWriter:
             self._flush(self.chunk_threshold)
 
     def close(self) -> None:
-        """Write what is left as the last (smaller) chunk."""
-        if self._buffered:
-            self._flush(self._buffered)
+        """Write what is left as the last (smaller) chunk and wait until every file is written."""
+        try:
+            if self._buffered:
+                self._flush(self._buffered)
+            self._wait()
+        except BaseException:
+            self.abort()
+            raise
+        self._stop_threads()
+
+    def abort(self) -> None:
+        """Let the files being written finish (ignoring their errors), drop the buffer, stop the threads."""
+        for f in self._writing:
+            if not f.cancel():
+                f.exception()  # already writing: let it finish (its temporary file is removed on error)
+        self._writing = []
+        self._feats = {k: [] for k in self._feats}
+        self._targets, self._inds, self._buffered = [], [], 0
+        self._stop_threads()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _wait(self) -> None:
+        """Wait for the chunk being written; raise its first error."""
+        writing, self._writing = self._writing, []
+        errors = [e for e in (f.exception() for f in writing) if e is not None]
+        if errors:
+            raise errors[0]
+
+    def _stop_threads(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _take(self, parts: List[np.ndarray], rows: int) -> Tuple[np.ndarray, List[np.ndarray]]:
         """The first ``rows`` rows of the buffered arrays, and the rest."""
@@ -252,13 +303,23 @@ class ShardWriter:
         return merged[:rows], rest
 
     def _flush(self, rows: int) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self._wait()  # the previous chunk first: at most one chunk in flight, one being merged
+        except BaseException:
+            self.abort()  # a failed write ends the writer: nothing more is written
+            raise
+        files: List[Tuple[Path, np.ndarray]] = []
         targets, self._targets = self._take(self._targets, rows)
         inds, self._inds = self._take(self._inds, rows)
         for layer in self.shapes:
             feats, self._feats[layer] = self._take(self._feats[layer], rows)
-            save_npy(shard_path(self.folder, self.rank, self.chunk, self.split, layer, "features"), feats)
-            save_npy(shard_path(self.folder, self.rank, self.chunk, self.split, layer, "targets"), targets)
-            save_npy(shard_path(self.folder, self.rank, self.chunk, self.split, layer, "inds"), inds)
+            files.append((shard_path(self.folder, self.rank, self.chunk, self.split, layer, "features"), feats))
+            files.append((shard_path(self.folder, self.rank, self.chunk, self.split, layer, "targets"), targets))
+            files.append((shard_path(self.folder, self.rank, self.chunk, self.split, layer, "inds"), inds))
         self._buffered -= rows
         self.chunk += 1
+        if self._pool is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            workers = min(MAX_WRITE_THREADS, len(files))
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-writer")
+        self._writing = [self._pool.submit(save_npy, path, array) for path, array in files]

@@ -3,6 +3,7 @@ weights from a checkpoint folder or MODEL.WEIGHTS_INIT, the kNN test, and linear
 
 import importlib.util
 import re
+import threading
 from pathlib import Path
 from typing import Dict, List
 
@@ -91,6 +92,51 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_old_shard(tmp_path: Path
         atomic_write(path, half_then_fail)
     assert temp_files(tmp_path) == []
     np.testing.assert_array_equal(np.load(path), np.ones((2, 3)))
+
+
+def shard_writer_threads() -> List[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("shard-writer")]
+
+
+def test_shards_written_in_the_background_equal_what_was_added(tmp_path: Path) -> None:
+    # Many chunks, each written while the next is filled: every file complete, no thread left.
+    rng = np.random.default_rng(0)
+    inds = rng.permutation(1000)
+    out = write_split(tmp_path, "train", inds, threshold=64, batch=10, layers={"res5avg": (6,), "res4": (2, 3)})
+    assert out == {"chunks": 16, "samples": 1000}
+    assert temp_files(tmp_path) == [] and shard_writer_threads() == []
+    got = load_features(tmp_path, "train", "res4", flatten=False)
+    np.testing.assert_array_equal(got["inds"], np.arange(1000))
+    expected = (np.arange(1000)[:, None] * 10.0 + np.arange(6)).reshape(1000, 2, 3).astype(np.float32)
+    np.testing.assert_array_equal(got["features"], expected)
+    np.testing.assert_array_equal(got["targets"], np.arange(1000) % 3)
+
+
+def test_a_failed_background_write_raises_and_leaves_no_temp_file_or_thread(tmp_path: Path, monkeypatch) -> None:
+    import ssl_engine.features as features
+
+    real_save = features.np.save
+
+    def disk_full_on_features(f, array, **kw) -> None:
+        if "features" in Path(f.name).name:
+            f.write(b"\x93NUMPY partial")
+            raise OSError(28, "No space left on device")
+        real_save(f, array, **kw)
+
+    monkeypatch.setattr(features.np, "save", disk_full_on_features)
+    with pytest.raises(CheckpointError, match="disk is full"):
+        write_split(tmp_path, "train", np.arange(20), threshold=8, batch=4)
+    assert temp_files(tmp_path) == [] and shard_writer_threads() == []
+    assert not list(tmp_path.glob("*_features.npy"))
+
+
+def test_an_error_while_extracting_stops_the_writer_threads(tmp_path: Path) -> None:
+    idx = np.arange(4)
+    with pytest.raises(RuntimeError, match="model failed"):
+        with ShardWriter(tmp_path, 0, "train", 4) as writer:
+            writer.add({"res5avg": np.ones((4, 2), np.float32)}, idx % 3, idx)  # a full chunk: being written
+            raise RuntimeError("model failed")
+    assert temp_files(tmp_path) == [] and shard_writer_threads() == []
 
 
 def test_remove_shards_only_touches_the_split(tmp_path: Path) -> None:

@@ -131,6 +131,14 @@ def _targets(batch: Dict[str, Any], n: int) -> np.ndarray:
     return torch.stack([lab.reshape(n, -1)[:, 0] for lab in labels], dim=1).cpu().numpy()
 
 
+def _num_unique(inds: np.ndarray) -> int:
+    """Distinct values in ``inds`` (np.unique would import numpy.ma, ~10-20 ms, inside the timed loop)."""
+    if len(inds) < 2:
+        return len(inds)
+    s = np.sort(inds)
+    return len(s) - int(np.count_nonzero(s[1:] == s[:-1]))
+
+
 def extraction_loader(task: Any, split: str) -> Any:
     """A loader over ``split`` in dataset order, each sample on exactly one rank (no padding)."""
     from ssl_engine.data import build_dataloader, build_dataset
@@ -160,20 +168,20 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     writer = ShardWriter(folder, task.rank, split, cfg.EXTRACT_FEATURES.CHUNK_THRESHOLD)
     non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
     model = task.base_model
-    for batch in loader:
-        views, inds = batch["data"], batch["data_idx"][0]
-        unique = len(np.unique(inds.numpy()))
-        if len(views) != 1 or unique != len(inds):
-            raise UserError(
-                f"config.DATA.{split}.TRANSFORMS / COLLATE_FUNCTION give "
-                f"{max(len(views), len(inds) // max(unique, 1))} views per sample; feature extraction needs one "
-                f"(remove ImgReplicatePil / multi-crop transforms and use COLLATE_FUNCTION default_collate)"
-            )
-        with task.autocast():
-            feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
-        arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
-        writer.add(arrays, _targets(batch, len(inds)), inds.numpy())
-    writer.close()
+    with writer:  # waits for the shard files being written; on an error, stops the writer threads
+        for batch in loader:
+            views, inds = batch["data"], batch["data_idx"][0].numpy()
+            unique = _num_unique(inds)
+            if len(views) != 1 or unique != len(inds):
+                raise UserError(
+                    f"config.DATA.{split}.TRANSFORMS / COLLATE_FUNCTION give "
+                    f"{max(len(views), len(inds) // max(unique, 1))} views per sample; feature extraction needs one "
+                    f"(remove ImgReplicatePil / multi-crop transforms and use COLLATE_FUNCTION default_collate)"
+                )
+            with task.autocast():
+                feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
+            arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
+            writer.add(arrays, _targets(batch, len(inds)), inds)
     counts = du.all_gather_object(writer.num_samples)
     return {
         "split": split.lower(),

@@ -43,7 +43,7 @@ def as_class_target(target: Target) -> torch.Tensor:
         target = target[:, 0]
     if target.ndim != 1:
         raise ValueError(f"expected class-index targets of shape (B,), got shape {tuple(target.shape)}")
-    return target.long()
+    return target if target.dtype == torch.int64 else target.long()
 
 
 def _check_reduction(reduction: str, key: str) -> str:
@@ -103,16 +103,17 @@ class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
     def forward(self, output: Outputs, target: Target) -> torch.Tensor:
         """Summed cross-entropy of every head output against the one target."""
         target = as_class_target(target)
-        total: Any = 0
+        total: Any = None
         for logits in as_output_list(output):
-            logits = logits.float()  # bf16/fp16 logits: log-softmax in float32
+            if logits.dtype != torch.float32:
+                logits = logits.float()  # bf16/fp16 logits: log-softmax in float32
             if self.normalize_output:
                 logits = F.normalize(logits, dim=1, p=2)
-            logits = logits / self.temperature
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
             weight = self.weight.to(logits.device) if self.weight is not None else None
-            total = total + F.cross_entropy(
-                logits, target, weight=weight, ignore_index=self.ignore_index, reduction=self.reduction
-            )
+            loss = F.cross_entropy(logits, target, weight=weight, ignore_index=self.ignore_index, reduction=self.reduction)
+            total = loss if total is None else total + loss
         return total
 
 

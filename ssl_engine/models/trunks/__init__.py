@@ -11,7 +11,7 @@ the forward at the deepest layer asked for.
 """
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,7 @@ class FeatureTrunk(nn.Module):
     ) -> None:
         """Install the blocks and the name maps (public feature name -> block name, -> dim)."""
         self._feature_blocks = nn.ModuleDict(blocks)
+        self.__dict__["_plans"] = {}
         self._block_index = {name: i for i, name in enumerate(blocks)}
         missing = [b for b in feature_to_block.values() if b not in self._block_index]
         if missing:
@@ -70,18 +71,27 @@ class FeatureTrunk(nn.Module):
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def _plan(self, asked: Tuple[str, ...]) -> Tuple[List[str], Set[str], int]:
+        """(layer names, their blocks, index of the last block to run) for ``asked`` (computed
+        once per distinct request: the forward of every step asks the same)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        plan = plans.get(asked)
+        if plan is None:
+            keys = list(asked) if asked else [self.default_feature_name]
+            unknown = [k for k in keys if k not in self._feature_to_block]
+            if unknown:
+                valid = self.feature_names()
+                raise UserError(
+                    f"unknown trunk layer {unknown[0]!r}{did_you_mean(str(unknown[0]), valid)} for trunk "
+                    f"{type(self).__name__}; valid layers: {', '.join(valid)}"
+                )
+            wanted_blocks = {self._feature_to_block[k] for k in keys}
+            plan = plans[asked] = (keys, wanted_blocks, max(self._block_index[b] for b in wanted_blocks))
+        return plan
+
     def forward(self, x: torch.Tensor, out_feat_keys: Optional[List[str]] = None) -> List[torch.Tensor]:
         """The outputs of the named layers, in the order asked (default: the last layer)."""
-        keys = list(out_feat_keys) if out_feat_keys else [self.default_feature_name]
-        unknown = [k for k in keys if k not in self._feature_to_block]
-        if unknown:
-            valid = self.feature_names()
-            raise UserError(
-                f"unknown trunk layer {unknown[0]!r}{did_you_mean(str(unknown[0]), valid)} for trunk "
-                f"{type(self).__name__}; valid layers: {', '.join(valid)}"
-            )
-        wanted_blocks = {self._feature_to_block[k] for k in keys}
-        last = max(self._block_index[b] for b in wanted_blocks)
+        keys, wanted_blocks, last = self._plan(tuple(out_feat_keys) if out_feat_keys else ())
         outputs: Dict[str, torch.Tensor] = {}
         out = self._prepare_input(x)
         for i, (name, block) in enumerate(self._feature_blocks.items()):

@@ -61,7 +61,7 @@ class MLPTrunk(FeatureTrunk):
         self._set_blocks(blocks, names, feat_dims, vector_layers=list(names))
 
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(x.shape[0], -1)
+        flat = x if x.ndim == 2 else x.reshape(x.shape[0], -1)
         if flat.shape[1] != self.dims[0]:
             raise UserError(
                 f"{KEY}.DIMS[0]={self.dims[0]} but the input batch {list(x.shape)} flattens to "

@@ -10,8 +10,10 @@
   the absolute figures), then the same summed per ssl_engine source file.
 - ``phases``: the W-phases engine run with each part of a phase change timed (phase-end hooks,
   meter sync, advance_phase / new data iterator), next to the step clock's phase-change figure.
-- ``startup``: the startup command under cProfile (cumulative time of the engine's functions)
-  and the import time per top-level package.
+- ``startup``: the wall and CPU seconds of each startup stage (compose, torch, torchvision,
+  built-in parts, pre-launch checks, the rank's setup, the first iteration), the startup
+  command under cProfile (cumulative time of the engine's functions) and the import time per
+  top-level package.
 """
 
 import argparse
@@ -116,9 +118,93 @@ def profile_phases() -> None:
         print("    the rest of the raw gap is the wait for the new phase's first batch")
 
 
-def profile_startup(top: int) -> None:
+# Runs the tool's steps (ssl_engine.cli.main, unrolled) in a fresh interpreter with a clock
+# between them; torch and torchvision are imported on their own so that their share shows.
+_STAGES_DRIVER = r"""
+import json, os, sys, time
+T0 = float(sys.argv[1])
+marks = []
+def mark(name):
+    marks.append((name, time.time() - T0, time.process_time()))
+from ssl_engine import cli
+from ssl_engine.config import compose
+from ssl_engine.logger import setup_logging
+mark("python start + ssl_engine.cli import")
+cli.quiet_dependency_warnings()
+setup_logging(0, None)
+cfg = compose(sys.argv[2:])
+mark("compose the config (yaml, omegaconf, hydra)")
+import torch
+mark("import torch")
+import torchvision
+mark("import torchvision (mostly torch._dynamo)")
+from ssl_engine.config.validate import check_data_paths, check_registered_names
+from ssl_engine.engines.run import load_builtin_parts
+from ssl_engine.hooks.base import Priority, SSLHook
+from ssl_engine.registry import HOOKS
+from ssl_engine.user_modules import import_user_modules
+load_builtin_parts()
+import_user_modules(cfg.USER_MODULES)
+
+@HOOKS.register("StageClock")
+class StageClock(SSLHook):
+    priority = Priority.VERY_HIGH
+    def on_start(self, task):
+        mark("rank: build task, model, data, hooks (to on_start)")
+    def on_step(self, task):
+        mark("first training iteration")
+        print("STAGES " + json.dumps(marks), flush=True)
+        os._exit(0)
+    def get_classy_state(self):
+        return {}
+    def set_classy_state(self, state):
+        pass
+
+check_registered_names(cfg)
+check_data_paths(cfg)
+mark("built-in parts (classy_vision, ...), user modules, name checks")
+cli.check_before_launch(cfg, 0)
+mark("pre-launch checks (parts built on the meta device)")
+from ssl_engine.launch import launch
+launch(cfg)
+"""
+
+
+def startup_stages(repeats: int) -> None:
+    """Wall and CPU seconds of each startup stage (median of ``repeats`` fresh processes)."""
+    import json
+
+    from benchmarks import startup
+    from benchmarks.common import median
+
+    runs: List[List[Any]] = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="bench_stages_") as folder:
+            overrides = [a for a in startup.tool_command(os.path.join(folder, "run"))[1:]
+                         if not a.startswith(("config.USER_MODULES", "config.HOOKS.CUSTOM"))]
+            t0 = time.time()
+            proc = subprocess.run([sys.executable, "-c", _STAGES_DRIVER, repr(t0), *overrides,
+                                   "config.HOOKS.CUSTOM=[{name: StageClock}]"],
+                                  cwd=str(REPO), env=startup.env(), capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("STAGES ")]
+            if not line:
+                raise RuntimeError(f"the stages run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            runs.append(json.loads(line[0][len("STAGES "):]))
+    print(f"startup stages, median of {repeats} run(s): seconds of wall / of CPU (this process, all threads)")
+    prev_w = prev_c = [0.0] * repeats
+    for i, (name, _, _) in enumerate(runs[0]):
+        w = [r[i][1] - p for r, p in zip(runs, prev_w)]
+        c = [r[i][2] - p for r, p in zip(runs, prev_c)]
+        prev_w, prev_c = [r[i][1] for r in runs], [r[i][2] for r in runs]
+        print(f"  {median(w):6.2f} {median(c):6.2f}  {name}")
+    total_w, total_c = median([r[-1][1] for r in runs]), median([r[-1][2] for r in runs])
+    print(f"  {total_w:6.2f} {total_c:6.2f}  total: launch to the end of the first iteration\n")
+
+
+def profile_startup(top: int, repeats: int = 3) -> None:
     from benchmarks import startup
 
+    startup_stages(repeats)
     with tempfile.TemporaryDirectory(prefix="bench_prof_") as folder:
         out = os.path.join(folder, "startup.prof")
         cmd = [sys.executable, "-m", "cProfile", "-o", out, *startup.tool_command(os.path.join(folder, "run"))]
@@ -140,6 +226,7 @@ def main() -> None:
     parser.add_argument("--hooks", choices=("default", "none"), default="default")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="startup: fresh processes for the stage timings")
     args = parser.parse_args()
     import torch
 
@@ -149,7 +236,7 @@ def main() -> None:
     elif args.what == "phases":
         profile_phases()
     else:
-        profile_startup(args.top)
+        profile_startup(args.top, args.repeats)
 
 
 if __name__ == "__main__":

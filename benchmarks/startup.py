@@ -7,13 +7,16 @@ end of the first iteration. The figure is the time from just before the process 
 the end of the first training iteration (median of the repeats).
 
 Reference points: ``python -c "import torch, torchvision"`` in a fresh process (the floor no
-engine on this stack can beat), and one more run under ``python -X importtime``, whose
-import tree is summed per top-level package to show what startup spends importing.
+engine on this stack can beat: most of torchvision's import is ``torch._dynamo``, which
+torch.optim's Optimizer imports anyway, so any training run pays it), and one more run under
+``python -X importtime``, whose import tree is summed per top-level package to show what
+startup spends importing.
 """
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,7 +61,8 @@ def launch_once(python_flags: Tuple[str, ...] = (), timeout: float = 600) -> Dic
         with open(err_path, "w") as err:
             t0 = time.time()
             proc = subprocess.Popen([sys.executable, *python_flags, *tool_command(os.path.join(folder, "run"))],
-                                    cwd=str(REPO), env=e, stdout=subprocess.DEVNULL, stderr=err, text=True)
+                                    cwd=str(REPO), env=e, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                    start_new_session=True)  # its own group: loader workers are stopped with it
             events = _wait_for_first_step(proc, stamps, t0, timeout)
         with open(err_path) as f:
             stderr = f.read()
@@ -88,8 +92,10 @@ def _wait_for_first_step(proc: "subprocess.Popen[str]", stamps: str, t0: float, 
                 break
             time.sleep(0.05)
     finally:
-        if proc.poll() is None:
-            proc.kill()  # our own child; the rest of the run is not what is measured
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # our own child and its workers; the rest of the run is not measured
+        except ProcessLookupError:
+            pass
         proc.wait()
     return _read_stamps(stamps, t0) or events
 

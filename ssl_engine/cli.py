@@ -9,6 +9,11 @@ without a traceback; ``--debug`` or ``SSL_ENGINE_DEBUG=1`` shows the traceback. 
 holds for user errors raised later in a rank or a dataloader worker: the launcher and torch
 pass them up and the original message is printed. A non-finite loss stops the run with one
 line and exit code 1; Ctrl-C with exit code 130.
+
+Startup: torch is imported only once the config has composed (config mistakes are reported in
+about a second); a one-process run trains in this process (ssl_engine.launch); where loader
+workers or ranks will come from a forkserver, it is started right after composing so that
+its imports overlap this process's own.
 """
 
 import logging
@@ -59,6 +64,33 @@ def quiet_dependency_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
 
 
+def start_forkserver_early(cfg) -> None:
+    """Start now, with torch and the data modules preloaded, the forkserver that this process's
+    loader workers (or the ranks it spawns) will be forked from.
+
+    Started here, right after the config composed, the forkserver's imports run in another
+    process while this one imports its own, instead of after them, when the first batch is
+    asked for. Only where a forkserver will be used: MULTI_PROCESSING_METHOD=forkserver, and
+    loader workers or ranks started by this process; never for a SLURM submission. On a user
+    error found later the forkserver ends by itself once this process has exited.
+    """
+    if cfg.SLURM.USE_SLURM or cfg.MULTI_PROCESSING_METHOD != "forkserver":
+        return
+    world = int(cfg.DISTRIBUTED.NUM_NODES) * int(cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
+    spawns_ranks = world > 1 and "RANK" not in os.environ  # torchrun's ranks run in-process
+    if int(cfg.DATA.NUM_DATALOADER_WORKERS) <= 0 and not spawns_ranks:
+        return
+    from multiprocessing import forkserver
+
+    from ssl_engine.forkserver import preload_forkserver
+
+    preload_forkserver()
+    try:
+        forkserver.ensure_running()
+    except OSError as e:  # no forkserver now: workers will start one when they need it
+        log.debug("could not start the forkserver early: %s", e)
+
+
 def prepare_config(overrides: List[str]):
     """Compose, import user modules, and check names and paths: the cheap checks, which need no
     model or data. torch is imported only once the config has composed."""
@@ -67,6 +99,7 @@ def prepare_config(overrides: List[str]):
 
     setup_logging(0, None)
     cfg = compose(overrides)
+    start_forkserver_early(cfg)
 
     from ssl_engine.config.validate import check_data_paths, check_registered_names
     from ssl_engine.engines.run import load_builtin_parts

@@ -232,3 +232,51 @@ def test_worker_wrapped_errors_unwrap_to_the_original_line():
     assert unwrap_worker_error(wrapped) == "rank 1: TRAIN image '/d/a: b.png' cannot be read; set ON_CORRUPT_IMAGE=skip\n"
     assert one_line(wrapped) == "rank 1: TRAIN image '/d/a: b.png' cannot be read; set ON_CORRUPT_IMAGE=skip"
     assert one_line("plain\n  text") == "plain text"
+
+
+# ----------------------------------------------------------------------------- startup cost
+
+
+def test_defaults_are_read_as_omegaconf_reads_them(tmp_path):
+    """defaults.yaml is read with libyaml (fast) but must give exactly what OmegaConf.load gives."""
+    from omegaconf import OmegaConf
+
+    from ssl_engine.config.compose import DEFAULTS_FILE, read_defaults_file
+
+    tricky = write_yaml(tmp_path, "tricky.yaml", """\
+    a: 1e-5
+    b: 1e-08
+    c: -2.5E+3
+    d: .inf
+    e: 2021-01-01
+    f: 0x1F
+    g: yes
+    h: 'quoted'
+    i: [1, 2.0, null, ~, true]
+    j: {k: 07, l: 1_000}
+    m: 12:30:45
+    """)
+    for path in (DEFAULTS_FILE, tricky):
+        assert read_defaults_file(path) == OmegaConf.to_container(OmegaConf.load(path), resolve=True), path
+    dup = write_yaml(tmp_path, "dup.yaml", "a: 1\na: 2\n")
+    with pytest.raises(Exception, match="duplicate key"):
+        read_defaults_file(dup)
+
+
+def test_composing_and_config_errors_never_import_torch():
+    """Config mistakes are reported before the seconds torch's import takes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ssl_engine.config import compose\n"
+        "compose(['config=quick/simclr_synthetic'])\n"
+        "from ssl_engine.cli import main\n"
+        "assert main(['config=quick/simclr_synthetic', 'config.OPTIMIZER.num_epoch=1']) == 2\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[1]),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown config key config.OPTIMIZER.num_epoch")

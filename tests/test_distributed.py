@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -384,3 +385,106 @@ def test_rank_failure_ends_the_job(tmp_path: Path) -> None:
     assert processes_with(marker) == []
     assert [p.name for p in folder.iterdir() if ".tmp." in p.name or p.name.endswith(".lock")] == []
     assert [p.name for p in tmpdir.iterdir() if p.name.startswith("ssl_engine_")] == []
+
+
+# ----------------------------------------------------------------------------- startup
+
+PID_PROBE = '''
+import json, os
+from ssl_engine.hooks.base import SSLHook
+from ssl_engine.registry import HOOKS
+
+@HOOKS.register("PidProbe")
+class PidProbe(SSLHook):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_start(self, task):
+        open(self.out, "w").write(json.dumps({"pid": os.getpid(), "env_rank": os.environ.get("RANK")}))
+'''
+
+
+def test_one_process_run_runs_in_the_launched_process(tmp_path: Path) -> None:
+    """NUM_PROC_PER_NODE=1 trains in the tool's own process: no second interpreter that would
+    import torch again."""
+    (tmp_path / "pid_probe.py").write_text(PID_PROBE)
+    out = tmp_path / "pid.json"
+    args = SUPERVISED + per_rank(1) + [
+        "config.OPTIMIZER.num_epochs=1", "config.TEST_MODEL=false", f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+        f"config.USER_MODULES=[{tmp_path / 'pid_probe.py'}]",
+        f"config.HOOKS.CUSTOM=[{{name:PidProbe,params:{{out:{out}}}}}]",
+    ]
+    proc = subprocess.Popen([sys.executable, TOOL, *args], cwd=str(REPO), env=tool_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen == {"pid": proc.pid, "env_rank": None}
+
+
+def test_forkserver_loader_workers_start_from_a_preloaded_server() -> None:
+    """With MULTI_PROCESSING_METHOD=forkserver the loader asks the forkserver to import torch and
+    the data modules once, so that its workers do not each import them; a preload list set
+    elsewhere is kept."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    from ssl_engine.data.loader import build_dataloader
+    from ssl_engine.forkserver import FORKSERVER_PRELOAD
+
+    before = list(forkserver._forkserver._preload_modules)
+    try:
+        mp.set_forkserver_preload(["__main__", "json"])
+        cfg = {"MULTI_PROCESSING_METHOD": "forkserver",
+               "DATA": {"NUM_DATALOADER_WORKERS": 1, "TRAIN": {"BATCHSIZE_PER_REPLICA": 2}}}
+        build_dataloader(list(range(8)), cfg, "TRAIN", 0, 1, "cpu")
+        assert forkserver._forkserver._preload_modules == ["__main__", "json", *FORKSERVER_PRELOAD]
+        mp.set_forkserver_preload(["__main__"])
+        cfg["MULTI_PROCESSING_METHOD"] = "fork"
+        build_dataloader(list(range(8)), cfg, "TRAIN", 0, 1, "cpu")
+        assert forkserver._forkserver._preload_modules == ["__main__"]
+    finally:
+        mp.set_forkserver_preload(before)
+
+
+def test_forkserver_ranks_and_workers_equal_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:
+    """The default start method: ranks and loader workers come from forkservers that preloaded
+    torch (the launcher starts its own right after composing the config); same results."""
+    folder = tmp_path / "run"
+    ok(run_tool(SUPERVISED + per_rank(2) + [
+        f"config.CHECKPOINT.DIR={folder}", "config.MULTI_PROCESSING_METHOD=forkserver",
+        "config.DATA.NUM_DATALOADER_WORKERS=1",
+    ]))
+    assert_same_metrics(read_metrics(folder), one_rank_metrics)
+
+
+def test_killed_run_leaves_no_forkserver_workers(tmp_path: Path) -> None:
+    """SIGKILL of a one-process run whose loader workers come from a forkserver: the workers
+    (which ignore SIGTERM) and the forkserver end on their own within seconds."""
+    marker = f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}"
+    folder = tmp_path / "run"
+    base = [o for o in SUPERVISED if not o.startswith("config.OPTIMIZER.num_epochs")]
+    cmd = [sys.executable, str(TOOL), *base, f"config.CHECKPOINT.DIR={folder}",
+           "config.MULTI_PROCESSING_METHOD=forkserver", "config.DATA.NUM_DATALOADER_WORKERS=2",
+           "config.OPTIMIZER.num_epochs=50"]
+    env = tool_env({marker.split("=")[0]: marker.split("=")[1]})
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not (folder / "stdout.json").exists() and time.time() < deadline:  # training has started
+            time.sleep(0.2)
+        assert (folder / "stdout.json").exists(), "the run did not start training"
+        workers = [p for p in processes_with(marker) if p != proc.pid]
+        assert len(workers) >= 3  # the forkserver and two workers
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 20
+        while processes_with(marker) and time.time() < deadline:
+            time.sleep(0.2)
+        assert processes_with(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in processes_with(marker):
+            os.kill(pid, signal.SIGKILL)

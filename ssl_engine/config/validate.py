@@ -171,7 +171,15 @@ class _Walker:
         self.compat_set: List[str] = []
 
     def is_compat(self, kpath: str) -> bool:
-        return kpath in self.compat or any(kpath.startswith(c + ".") for c in self.compat)
+        """True for a [compat] key and anything under one (checks the key's ancestors, not every mark)."""
+        if not self.compat:
+            return False
+        end = len(kpath)
+        while end > 0:
+            if kpath[:end] in self.compat:
+                return True
+            end = kpath.rfind(".", 0, end)
+        return False
 
     def walk(self, user: Dict[str, Any], default: Dict[str, Any], path: str) -> Dict[str, Any]:
         out: Dict[str, Any] = {}

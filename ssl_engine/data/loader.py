@@ -10,8 +10,12 @@ they need no epoch message. The loader draws its worker base seed from its own g
 from (SEED_VALUE, rank), never from the global torch generator.
 """
 
+import functools
+import os
 import random
 import signal
+import threading
+import time
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -22,13 +26,15 @@ from ssl_engine.data.collators import build_collator
 from ssl_engine.data.sampler import StatefulDistributedSampler
 from ssl_engine.data.sources import data_key
 from ssl_engine.errors import UserError
+from ssl_engine.forkserver import preload_forkserver
 
 
-def worker_init_fn(worker_id: int) -> None:
-    """Seed numpy and python ``random`` in a worker from torch's per-worker seed.
+def worker_init_fn(worker_id: int, main_pid: Optional[int] = None) -> None:
+    """Seed numpy and python ``random`` in a worker from torch's per-worker seed, ignore the
+    preemption signals, and watch the training process (``main_pid``).
 
-    Harmless by design: the dataset reseeds every generator per sample; this only keeps user
-    code that draws randomness outside ``__getitem__`` from sharing one stream across workers.
+    Seeding is harmless by design: the dataset reseeds every generator per sample; this only
+    keeps user code that draws randomness outside ``__getitem__`` from sharing one stream.
     """
     seed = torch.initial_seed()
     np.random.seed(seed % (1 << 32))
@@ -37,6 +43,37 @@ def worker_init_fn(worker_id: int) -> None:
     # a scheduler that signals the whole job must not kill the workers feeding that step.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
+    if main_pid is not None:
+        threading.Thread(target=_exit_when_gone, args=(main_pid,), name="main-watchdog", daemon=True).start()
+
+
+def _process_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def _exit_when_gone(main_pid: int, every_s: float = 1.0) -> None:
+    """End this worker once the training process is gone.
+
+    torch's own check watches the worker's parent, which for a forkserver worker is the
+    forkserver, not the training process; after a SIGKILL of the training process such workers
+    (which ignore SIGTERM, see above) would otherwise live on, and keep the forkserver alive.
+    """
+    while not _process_gone(main_pid):
+        time.sleep(every_s)
+    os._exit(0)
 
 
 def build_dataloader(
@@ -98,10 +135,12 @@ def build_dataloader(
     kwargs: Dict[str, Any] = {}
     if num_workers > 0:
         kwargs["persistent_workers"] = True
-        kwargs["worker_init_fn"] = worker_init_fn
+        kwargs["worker_init_fn"] = functools.partial(worker_init_fn, main_pid=os.getpid())
         method = cfg.get("MULTI_PROCESSING_METHOD")
         if method:
             kwargs["multiprocessing_context"] = str(method)
+            if str(method) == "forkserver":
+                preload_forkserver()
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -25,7 +25,7 @@ from ssl_engine.config import compose
 from ssl_engine.data.sampler import PaddedIndex, StatefulDistributedSampler, is_padded
 from ssl_engine.errors import ConfigError
 from ssl_engine.launch import find_free_port, init_method_for, remove_temp_files_of
-from ssl_engine.train_steps.standard_train_step import valid_rows
+from ssl_engine.train_steps.standard_train_step import real_rows
 
 # A supervised run whose 1-rank and N-rank computations agree: no BatchNorm, TRAIN data a
 # multiple of the global batch (64), TEST data (201) that does not divide among 2 ranks and
@@ -111,11 +111,12 @@ def test_sampler_marks_padding_and_every_sample_is_real_once(n: int, world: int)
     assert is_padded(pickle.loads(pickle.dumps(key)))  # travels to dataloader workers as a padded key
 
 
-def test_valid_rows_masks_padded_and_replaced_samples() -> None:
-    assert valid_rows({"data_valid": [torch.tensor([1, 1, 1])]}) is None
-    mask = valid_rows({"data_valid": [torch.tensor([1, 0, -1, 1])]})
+def test_real_rows_counts_and_masks_padded_and_replaced_samples() -> None:
+    assert real_rows({"data_valid": [torch.tensor([1, 1, 1])]}) == (3, None)
+    n, mask = real_rows({"data_valid": [torch.tensor([1, 0, -1, 1])]})
+    assert n == 2
     assert mask.tolist() == [True, False, False, True]
-    assert valid_rows({"data": [torch.zeros(2)]}) is None
+    assert real_rows({"data": [torch.zeros(2)]}) == (None, None)
 
 
 def test_init_method_checks() -> None:

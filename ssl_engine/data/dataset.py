@@ -177,11 +177,11 @@ class SSLDataset(Dataset):
             return [idx] * len(self.sources)
         if self.label_type == "zero":
             return [0] * len(self.sources)
-        j = int(self.subset[used_idx]) if self.subset is not None else used_idx
+        j = self.source_index(used_idx)
         return [int(arr.item(j)) for arr in self.label_arrays]
 
     def _read(self, idx: int) -> List[Any]:
-        j = int(self.subset[idx]) if self.subset is not None else idx
+        j = self.source_index(idx)
         return [src.get(j) for src in self.sources]
 
     def _load(self, idx: int) -> Tuple[List[Any], int]:

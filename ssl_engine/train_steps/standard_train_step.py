@@ -55,11 +55,6 @@ def real_rows(batch: Any) -> Tuple[Optional[int], Optional[torch.Tensor]]:
     return n, (None if n == flags.numel() else mask)
 
 
-def valid_rows(batch: Any) -> Optional[torch.Tensor]:
-    """Boolean mask of the batch rows that are real samples, or None when all are (or unknown)."""
-    return real_rows(batch)[1]
-
-
 def _rows(x: Any, mask: torch.Tensor) -> Any:
     """``x`` (a tensor or list of tensors with one row per sample) restricted to ``mask``."""
     if isinstance(x, torch.Tensor):
@@ -165,7 +160,7 @@ def standard_train_step(task: Any) -> None:
     if task.train and not is_update_step and hasattr(task.model, "no_sync"):
         sync_ctx = task.model.no_sync()
 
-    # Padded rows (see valid_rows) are left out of meters, and out of the loss of test phases,
+    # Padded rows (see real_rows) are left out of meters, and out of the loss of test phases,
     # when the outputs and target have one row per sample; train phases still train on them.
     with sync_ctx:
         with torch.set_grad_enabled(task.train), task.autocast():

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -66,3 +66,21 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    """Bitwise equality of two loaded checkpoints (tensors, containers, values)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {where}"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"keys differ at {where}: {set(a) ^ set(b)}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"length differs at {where}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"value differs at {where}: {a!r} vs {b!r}"

@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import run_tool
+from conftest import assert_bitwise_equal, run_tool
 from ssl_engine import checkpoint as ck
 from ssl_engine import distributed as du
 from ssl_engine.config import compose
@@ -104,22 +104,6 @@ def gate_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return gate
 
 
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    """Bitwise equality of two loaded checkpoints (tensors, containers, values)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"keys differ at {where}: {set(a) ^ set(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"length differs at {where}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"value differs at {where}: {a!r} vs {b!r}"
-
-
 def small_ckpt(value: float) -> Dict[str, Any]:
     return {"phase_idx": 0, "train_phase_idx": 0, "iteration": int(value), "iteration_num": int(value),
             "type": "iteration", "classy_state_dict": {"phase_idx": 0, "w": torch.full((3,), float(value))}}
@@ -182,7 +166,7 @@ def test_a_queued_checkpoint_holds_the_state_of_the_save_call(cfg, monkeypatch):
 
     saved = ck.load_checkpoint(Path(c.CHECKPOINT.DIR) / "model_iteration1.torch")["classy_state_dict"]
     for key in ("base_model", "optimizer", "loss", "meters", "rng", "iteration", "phase_idx"):
-        assert_same(saved[key], expected[key], key)
+        assert_bitwise_equal(saved[key], expected[key], key)
     assert os.readlink(Path(c.CHECKPOINT.DIR) / ck.POINTER) == "model_iteration1.torch"
 
 
@@ -360,4 +344,4 @@ def test_async_and_synchronous_runs_write_the_same_checkpoints(tmp_path):
     assert names["true"] == names["false"] and "model_best.torch" in names["true"], names
     assert os.readlink(folders["true"] / ck.POINTER) == os.readlink(folders["false"] / ck.POINTER)
     for name in names["true"]:
-        assert_same(ck.load_checkpoint(folders["true"] / name), ck.load_checkpoint(folders["false"] / name), name)
+        assert_bitwise_equal(ck.load_checkpoint(folders["true"] / name), ck.load_checkpoint(folders["false"] / name), name)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TOOL, run_tool, tool_env
+from conftest import REPO, TOOL, assert_bitwise_equal, run_tool, tool_env
 
 KILLER = '''
 """Test module: kill or signal this process at a chosen point (env SSL_TEST_KILL=event:number)."""
@@ -133,21 +133,6 @@ def run(cfg, folder, *extra, kill="", reads=None):
 def tensors_of(path):
     ck = torch.load(str(path), map_location="cpu", weights_only=True)["classy_state_dict"]
     return {"model": ck["base_model"], "optimizer": ck["optimizer"], "meters": ck["meters"]}
-
-
-def assert_bitwise_equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"keys differ at {where}: {set(a) ^ set(b)}"
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"length differs at {where}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"value differs at {where}: {a!r} vs {b!r}"
 
 
 def losses(folder):

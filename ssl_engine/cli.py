@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import warnings
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from ssl_engine.errors import USER_ERROR_EXIT_CODE, NonFiniteLossError, UserError, one_line
 
@@ -138,7 +138,10 @@ def check_before_launch(cfg, node_id: int = 0) -> None:
     check_parts_build(cfg, world_size_of(cfg))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int]) -> int:
+    """A command line tool's frame: parse ``config=... key=value`` arguments, compose and check
+    the config, run ``body(cfg, node_id)``, and turn user errors into one line and exit code 2
+    (a non-finite loss: exit 1; Ctrl-C: 130). ``--debug`` or SSL_ENGINE_DEBUG=1 keeps tracebacks."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("SSL_ENGINE_DEBUG", "") not in ("", "0")
     quiet_dependency_warnings()
@@ -146,10 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         overrides, node_id, flag = _split_args(argv)
         debug = debug or flag
         cfg = prepare_config(overrides)
-        check_before_launch(cfg, node_id)
-        from ssl_engine.launch import launch
-
-        return launch(cfg, node_id=node_id)
+        return body(cfg, node_id)
     except UserError as e:
         if debug:
             raise
@@ -163,3 +163,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+
+
+def _launch(cfg: Any, node_id: int) -> int:
+    check_before_launch(cfg, node_id)
+    from ssl_engine.launch import launch
+
+    return launch(cfg, node_id=node_id)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """tools/run_distributed_engines.py: compose, check, launch the configured engine."""
+    return run_command(argv, _launch)

@@ -15,9 +15,9 @@ train and test shards is evaluated. Exit code 2 with one line for anything the u
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from ssl_engine.errors import USER_ERROR_EXIT_CODE, UserError
+from ssl_engine.errors import UserError
 
 
 def extract(cfg, node_id: int = 0) -> int:
@@ -63,35 +63,26 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     return results
 
 
+def run(cfg: Any, node_id: int) -> int:
+    """Extract features (unless NEAREST_NEIGHBOR.FEATURES.PATH names them), then the kNN test."""
+    from ssl_engine.engines.extract_features import output_dir
+
+    folder = Path(str(cfg.NEAREST_NEIGHBOR.FEATURES.PATH)).expanduser()
+    if not cfg.NEAREST_NEIGHBOR.FEATURES.PATH:
+        code = extract(cfg, node_id)
+        if code != 0:
+            return code
+        if node_id != 0 or int(os.environ.get("RANK", "0")) != 0:
+            return 0  # under torchrun / multi-node, rank 0 of node 0 computes the kNN
+        folder = output_dir(cfg)
+    evaluate(cfg, folder)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    from ssl_engine.cli import _split_args, prepare_config
+    from ssl_engine.cli import run_command
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("SSL_ENGINE_DEBUG", "") not in ("", "0")
-    try:
-        overrides, node_id, flag = _split_args(argv)
-        debug = debug or flag
-        cfg = prepare_config(overrides)
-        from ssl_engine.engines.extract_features import output_dir
-
-        folder = Path(str(cfg.NEAREST_NEIGHBOR.FEATURES.PATH)).expanduser()
-        if not cfg.NEAREST_NEIGHBOR.FEATURES.PATH:
-            code = extract(cfg, node_id)
-            if code != 0:
-                return code
-            if node_id != 0 or int(os.environ.get("RANK", "0")) != 0:
-                return 0  # under torchrun / multi-node, rank 0 of node 0 computes the kNN
-            folder = output_dir(cfg)
-        evaluate(cfg, folder)
-        return 0
-    except UserError as e:
-        if debug:
-            raise
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_command(argv, run)
 
 
 if __name__ == "__main__":

@@ -246,6 +246,31 @@ def register_sources() -> None:
 # ----------------------------------------------------------------------------- engine runs
 
 
+def sgd_overrides(momentum: float, weight_decay: Optional[float] = 0.0, epochs: int = 1) -> List[str]:
+    """SGD at a constant lr of 0.1 for ``epochs`` (``weight_decay=None`` keeps the config's default)."""
+    out = ["config.OPTIMIZER.name=sgd", f"config.OPTIMIZER.momentum={momentum}"]
+    if weight_decay is not None:
+        out.append(f"config.OPTIMIZER.weight_decay={weight_decay}")
+    return out + [
+        f"config.OPTIMIZER.num_epochs={epochs}",
+        "config.OPTIMIZER.param_schedulers.lr.name=constant",
+        "config.OPTIMIZER.param_schedulers.lr.value=0.1",
+    ]
+
+
+def memory_train_overrides(batch: int) -> List[str]:
+    """One process on the CPU training on the ``bench_memory`` source, no loader workers, no test phase."""
+    return [
+        "config.MACHINE.DEVICE=cpu",
+        "config.DATA.NUM_DATALOADER_WORKERS=0",
+        "config.DATA.PIN_MEMORY=false",
+        "config.DATA.TRAIN.DATA_SOURCES=[bench_memory]",
+        "config.DATA.TRAIN.LABEL_SOURCES=[bench_memory]",
+        f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={batch}",
+        "config.TEST_MODEL=false",
+    ]
+
+
 def compose_config(overrides: Sequence[str]) -> Any:
     """The engine's config for ``overrides`` (composed and validated once, copied per run)."""
     from ssl_engine.config import compose

@@ -36,34 +36,24 @@ from benchmarks.common import (
     compose_config,
     engine_logging,
     median,
+    memory_train_overrides,
     random_data,
     remove_tree,
     rotate,
     set_memory_data,
+    sgd_overrides,
 )
 
 WORKLOAD = "W-checkpoint"
 
 
 def overrides() -> List[str]:
-    return [
-        "config.MACHINE.DEVICE=cpu",
-        "config.DATA.NUM_DATALOADER_WORKERS=0",
-        "config.DATA.PIN_MEMORY=false",
-        "config.DATA.TRAIN.DATA_SOURCES=[bench_memory]",
-        "config.DATA.TRAIN.LABEL_SOURCES=[bench_memory]",
-        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2",
-        "config.TEST_MODEL=false",
+    return memory_train_overrides(2) + [
         "config.MODEL.TRUNK.NAME=resnet",
         "config.MODEL.TRUNK.RESNETS.DEPTH=50",
         "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[2048,1000]}]]",
         "config.LOSS.name=cross_entropy_multiple_output_single_target",
-        "config.OPTIMIZER.name=sgd",
-        "config.OPTIMIZER.momentum=0.9",
-        "config.OPTIMIZER.num_epochs=1",
-        "config.OPTIMIZER.param_schedulers.lr.name=constant",
-        "config.OPTIMIZER.param_schedulers.lr.value=0.1",
-    ]
+    ] + sgd_overrides(momentum=0.9, weight_decay=None)
 
 
 def build_task(folder: str) -> Any:

@@ -19,9 +19,11 @@ from benchmarks.common import (
     iteration_times,
     median,
     median_ratio,
+    memory_train_overrides,
     random_data,
     rotate,
     set_memory_data,
+    sgd_overrides,
 )
 
 WORKLOAD = "W-resnet"
@@ -29,26 +31,13 @@ BATCH, ITERS = 32, 30
 
 
 def overrides() -> List[str]:
-    return [
-        "config.MACHINE.DEVICE=cpu",
-        "config.DATA.NUM_DATALOADER_WORKERS=0",
-        "config.DATA.PIN_MEMORY=false",
-        "config.DATA.TRAIN.DATA_SOURCES=[bench_memory]",
-        "config.DATA.TRAIN.LABEL_SOURCES=[bench_memory]",
-        f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={BATCH}",
-        "config.TEST_MODEL=false",
+    return memory_train_overrides(BATCH) + [
         "config.MODEL.TRUNK.NAME=resnet",
         "config.MODEL.TRUNK.RESNETS.DEPTH=18",
         "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,10]}]]",
         "config.LOSS.name=cross_entropy_multiple_output_single_target",
         "config.METERS.names=[accuracy_list_meter]",
-        "config.OPTIMIZER.name=sgd",
-        "config.OPTIMIZER.momentum=0.9",
-        "config.OPTIMIZER.weight_decay=0.0",
-        "config.OPTIMIZER.num_epochs=1",
-        "config.OPTIMIZER.param_schedulers.lr.name=constant",
-        "config.OPTIMIZER.param_schedulers.lr.value=0.1",
-    ]
+    ] + sgd_overrides(momentum=0.9)
 
 
 def run(repeats: int = 3, **_: Any) -> List[Row]:

@@ -21,8 +21,8 @@ import torch
 
 from benchmarks import plain
 from benchmarks.common import (
-    _POOL_SIZE,
     Row,
+    _POOL_SIZE,
     compose_config,
     engine_train,
     iteration_times,
@@ -30,6 +30,7 @@ from benchmarks.common import (
     pool_sample,
     random_data,
     rotate,
+    sgd_overrides,
 )
 
 WORKLOAD = "W-resnet50-gpu"
@@ -62,13 +63,7 @@ def overrides(s: Dict[str, Any]) -> List[str]:
         "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[2048,1000]}]]",
         f"config.MODEL.AMP_PARAMS.USE_AMP={str(s['device'] == 'gpu').lower()}",
         "config.LOSS.name=cross_entropy_multiple_output_single_target",
-        "config.OPTIMIZER.name=sgd",
-        "config.OPTIMIZER.momentum=0.9",
-        "config.OPTIMIZER.weight_decay=0.0",
-        "config.OPTIMIZER.num_epochs=1",
-        "config.OPTIMIZER.param_schedulers.lr.name=constant",
-        "config.OPTIMIZER.param_schedulers.lr.value=0.1",
-    ]
+    ] + sgd_overrides(momentum=0.9)
 
 
 class PoolImages(torch.utils.data.Dataset):

@@ -32,6 +32,7 @@ from benchmarks.common import (
     random_data,
     rotate,
     set_memory_data,
+    sgd_overrides,
 )
 from benchmarks.peers import classy_train
 
@@ -63,14 +64,8 @@ def engine_overrides(case: Dict[str, Any], workers: int = 0) -> List[str]:
         f"config.MODEL.HEAD.PARAMS={head}",
         "config.LOSS.name=cross_entropy_multiple_output_single_target",
         "config.METERS.names=[accuracy_list_meter]",
-        "config.OPTIMIZER.name=sgd",
-        "config.OPTIMIZER.momentum=0.0",
-        "config.OPTIMIZER.weight_decay=0.0",
-        f"config.OPTIMIZER.num_epochs={case['epochs']}",
-        "config.OPTIMIZER.param_schedulers.lr.name=constant",
-        "config.OPTIMIZER.param_schedulers.lr.value=0.1",
         "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
-    ]
+    ] + sgd_overrides(momentum=0.0, epochs=case["epochs"])
     for split in ("TRAIN", "TEST"):
         out += [
             f"config.DATA.{split}.DATA_SOURCES=[bench_memory]",

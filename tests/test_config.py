@@ -61,6 +61,19 @@ def test_vissl_style_yaml_composes_with_overrides(tmp_path):
     plain = compose([f"config={path}", "config.OPTIMIZER.num_epochs=5"])
     again = write_yaml(tmp_path, "resolved.yaml", to_yaml(plain))
     assert compose([f"config={again}"]) == plain
+    # ... and so does one with keys the run added with '+' (named on the file's '# added keys:' line)
+    resolved = write_yaml(tmp_path, "resolved_added.yaml", to_yaml(cfg))
+    assert "# added keys: config.MY_NOTE\n" in resolved.read_text()
+    assert compose([f"config={resolved}"]) == cfg
+
+
+def test_a_yaml_file_declares_its_own_keys_in_its_header(tmp_path):
+    body = "# @package _global_\n{header}config:\n  MY_PLUGIN:\n    SIZE: 4\n"
+    declared = write_yaml(tmp_path, "declared.yaml", body.format(header="# added keys: config.MY_PLUGIN\n"))
+    assert compose([f"config={declared}"]).MY_PLUGIN.SIZE == 4
+    undeclared = write_yaml(tmp_path, "undeclared.yaml", body.format(header=""))
+    with pytest.raises(ConfigError, match="unknown config key config.MY_PLUGIN"):
+        compose([f"config={undeclared}"])
 
 
 def test_the_reference_vissl_config_composes():

@@ -21,7 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.config.validate import flatten_keys, unknown_key_message, validate
+from ssl_engine.config.validate import flatten_keys, keys_beyond_defaults, unknown_key_message, validate
 from ssl_engine.errors import ConfigError, closest
 
 log = logging.getLogger(__name__)
@@ -258,8 +258,8 @@ def _has_global_package_header(path: Path) -> bool:
     return True  # an empty file or only comments: nothing to misplace
 
 
-def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path]]:
-    """Map the value of ``config=`` to (group option, extra search dirs)."""
+def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
+    """Map the value of ``config=`` to (group option, extra search dirs, the file)."""
     value = value.strip()
     if not value:
         near = known_experiments()[:6]
@@ -275,13 +275,13 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path]]:
         # Present the user's file to hydra as an option of the `config` group.
         (tmp / "config").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(as_path, tmp / "config" / f"{_USER_FILE}.yaml")
-        return _USER_FILE, [tmp]
+        return _USER_FILE, [tmp], as_path
     name = value[:-5] if value.endswith(".yaml") else value
     for d in config_search_dirs():
         f = d / "config" / f"{name}.yaml"
         if f.is_file():
             _check_yaml_file(f)
-            return name, []
+            return name, [], f
     near = closest(name, known_experiments(), n=3)
     hint = f"; nearest: {', '.join(near)}" if near else ""
     dirs = ", ".join(str(d / "config") for d in config_search_dirs()) or "(no configs/config folder found)"
@@ -347,7 +347,8 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             hydra_overrides.append(f"{key}={value}")
         user_file = None
         if experiment is not None:
-            option, extra_dirs = _resolve_experiment(experiment, Path(tmpdir))
+            option, extra_dirs, experiment_file = _resolve_experiment(experiment, Path(tmpdir))
+            added_keys += declared_added_keys(experiment_file)
             hydra_overrides.insert(0, f"config={option}")
             user_file = experiment.strip() if option == _USER_FILE else None
         root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs(), user_file)
@@ -358,9 +359,32 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
 
 
 def to_yaml(cfg: AttrDict) -> str:
-    """The resolved config as a yaml document that ``config=/path/file.yaml`` can read back."""
+    """The resolved config as a yaml document that ``config=/path/file.yaml`` can read back.
+
+    Keys the run added with '+' are named on an ``# added keys:`` line, so reading the file
+    back accepts them without '+' again.
+    """
     data = cfg.to_dict() if isinstance(cfg, AttrDict) else dict(cfg)
     engine = data.pop("engine_name", "train")
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml when there: 5x faster, same text
     body = yaml.dump({"engine_name": engine, "config": data}, Dumper=dumper, sort_keys=False)
-    return "# @package _global_\n" + body
+    added = keys_beyond_defaults({"config": data}, load_defaults())
+    header = f"{ADDED_KEYS_MARKER} {', '.join(added)}\n" if added else ""
+    return "# @package _global_\n" + header + body
+
+
+ADDED_KEYS_MARKER = "# added keys:"
+
+
+def declared_added_keys(path: Path) -> List[str]:
+    """The keys a yaml file declares as its own in its leading comments
+    (``# added keys: config.A, config.B``): accepted as if given with '+'."""
+    keys: List[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            text = line.strip()
+            if text and not text.startswith("#"):
+                break
+            if text.startswith(ADDED_KEYS_MARKER):
+                keys += [k.strip() for k in text[len(ADDED_KEYS_MARKER):].split(",") if k.strip()]
+    return keys

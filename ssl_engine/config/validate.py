@@ -31,6 +31,20 @@ def flatten_keys(tree: Dict[str, Any], prefix: str = "") -> List[str]:
     return out
 
 
+def keys_beyond_defaults(tree: Dict[str, Any], defaults: Dict[str, Any], prefix: str = "") -> List[str]:
+    """The topmost key paths of ``tree`` that defaults.yaml does not have (keys added with '+'),
+    leaving out the free-form options of registered parts (``_OPEN_PARENTS``)."""
+    out: List[str] = []
+    for k, v in tree.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if k not in defaults:
+            if prefix not in _OPEN_PARENTS:
+                out.append(path)
+        elif isinstance(v, dict) and isinstance(defaults[k], dict) and defaults[k]:
+            out.extend(keys_beyond_defaults(v, defaults[k], path))
+    return out
+
+
 def nearest_keys(key: str, known: Iterable[str], n: int = 3) -> List[str]:
     """Valid key paths closest to an unknown one: siblings with a similar name when there are
     any, else keys anywhere whose last part is similar (a key put in the wrong section)."""

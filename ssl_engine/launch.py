@@ -28,12 +28,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo, env_rank_info
-from ssl_engine.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, ConfigError, UserError
+from ssl_engine.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, ConfigError, NonFiniteLossError, UserError
 
 log = logging.getLogger(__name__)
 
 KILL_GRACE_SECONDS = 10.0  # after SIGINT, survivors of a failed rank get this long before SIGKILL
 INTERRUPTED_EXIT_CODE = 130  # a rank stopped by Ctrl-C / SIGINT (the shell's convention)
+_NON_FINITE_MARK = "non-finite loss: "  # how a rank's error file marks a NonFiniteLossError
 _SPAWNED_ENV = "SSL_ENGINE_SPAWNED"  # set in ranks we start, so they never think they run under torchrun
 # Held back while ranks start (the mask is inherited), released once a rank routes them to its
 # preemption flag: a preemption signal in a rank's first seconds must not kill it.
@@ -170,6 +171,8 @@ def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid
 
         if isinstance(e, Preempted):
             code, text = PREEMPTED_EXIT_CODE, str(e)
+        elif isinstance(e, NonFiniteLossError):
+            code, text = 1, _NON_FINITE_MARK + str(e)  # the launcher says it in one line, as one process does
         elif isinstance(e, UserError):
             code, text = USER_ERROR_EXIT_CODE, str(e)
         elif isinstance(e, KeyboardInterrupt):
@@ -345,6 +348,9 @@ class RankGroup:
         exitcode = codes[index]
         if exitcode == USER_ERROR_EXIT_CODE and text:
             raise UserError(f"rank {rank}: {text.strip()}" if self.world > 1 else text.strip())
+        if text.startswith(_NON_FINITE_MARK):
+            message = text[len(_NON_FINITE_MARK):].strip()
+            raise NonFiniteLossError(f"rank {rank}: {message}" if self.world > 1 else message)
         if exitcode == INTERRUPTED_EXIT_CODE:
             sys.stderr.write("interrupted\n")
             return INTERRUPTED_EXIT_CODE

@@ -157,6 +157,19 @@ def test_non_finite_loss_stops_naming_iteration_and_phase_without_checkpointing_
     assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
 
 
+def test_non_finite_loss_in_a_spawned_rank_is_one_line_with_the_rank(tmp_path):
+    module = write_module(tmp_path, "nan_loss", NAN_LOSS)
+    run = tmp_path / "run"
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=3",
+                            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.LOSS.name=nan_from_third_step",
+                            f"config.USER_MODULES=[{module}]"])
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    line = one_error_line(proc)
+    # 16 samples and one iteration per rank and phase: the third step is the first of phase 2
+    assert line.startswith("error: rank ") and "the loss is nan at iteration 2 (phase 2, train" in line, line
+    assert sorted(p.name for p in ck.list_checkpoints(run)) == ["model_phase0.torch", "model_phase1.torch"]
+
+
 # ------------------------------------------------------------------------------------------------
 # corrupt images
 

@@ -197,6 +197,10 @@ class MemorySource:
     def get(self, idx: int) -> torch.Tensor:
         return self.x[idx]
 
+    def get_batch(self, indices: np.ndarray) -> torch.Tensor:
+        # the engine reads a whole batch with one call (no transforms, default collator)
+        return self.x[torch.from_numpy(indices)]
+
     def labels(self) -> np.ndarray:
         # a copy: sending the dataset to loader workers moves the tensor's storage to shared
         # memory, which would leave a numpy view of the old storage dangling
@@ -227,6 +231,9 @@ class GeneratedSource:
 
     def get(self, idx: int) -> torch.Tensor:
         return pool_sample(self.pool, idx)
+
+    def get_batch(self, indices: np.ndarray) -> torch.Tensor:
+        return self.pool[torch.from_numpy(indices % len(self.pool))]
 
     def labels(self) -> np.ndarray:
         return np.arange(self.length, dtype=np.int64) % 10

@@ -544,3 +544,100 @@ def test_batch_reads_match_sample_reads() -> None:
     assert batch[2]["data_valid"] == [0]
     with pytest.raises(IndexError, match="out of range"):
         ds.__getitems__([(0, 1), (0, 40)])
+
+
+# ----------------------------------------------------------------------------- whole-batch reads
+
+
+class TensorSource:
+    """Samples already tensors in memory; ``get_batch`` only when ``batched``."""
+
+    def __init__(self, n: int, dim: int = 6, seed: int = 0, bad: Optional[int] = None) -> None:
+        self.x = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def get(self, idx: int) -> torch.Tensor:
+        if idx == self.bad:
+            from ssl_engine.data.sources import UnreadableImageError
+
+            raise UnreadableImageError(f"sample{idx}.npy", "unreadable on purpose")
+        return self.x[idx]
+
+
+class BatchedTensorSource(TensorSource):
+    def get_batch(self, indices: np.ndarray) -> torch.Tensor:
+        if self.bad is not None and self.bad in indices:
+            self.get(self.bad)
+        return self.x[torch.from_numpy(indices)]
+
+
+def _both_paths(ds: SSLDataset, keys: List[Any]) -> tuple:
+    ds.collated_reads = False
+    per_sample = default_collate(ds.__getitems__(keys))
+    ds.collated_reads = True
+    return per_sample, default_collate(ds.__getitems__(keys))
+
+
+def _assert_same_batch(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        assert len(a[key]) == len(b[key]), key
+        for x, y in zip(a[key], b[key]):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), key
+
+
+@pytest.mark.parametrize("label_type", ["standard", "sample_index", "zero"])
+@pytest.mark.parametrize("subset", [None, np.arange(1, 50, 3)])
+@pytest.mark.parametrize("num_sources", [1, 2])
+def test_whole_batch_reads_equal_the_per_sample_batches(label_type: str, subset: Any, num_sources: int) -> None:
+    from ssl_engine.data.sampler import PaddedIndex
+
+    sources = [BatchedTensorSource(50, seed=s) for s in range(num_sources)]
+    labels = [np.arange(50, dtype=np.int32) % 7] if label_type == "standard" else []
+    ds = SSLDataset(sources, label_arrays=labels, label_type=label_type, subset=subset)
+    keys = [(0, 3), (0, 15), (1, 0), PaddedIndex(1, 3), PaddedIndex(1, 15)]
+    per_sample, whole = _both_paths(ds, keys)
+    _assert_same_batch(per_sample, whole)
+    assert whole["data_valid"][0].tolist() == [1, 1, 1, 0, 0]
+    assert isinstance(ds.__getitems__(keys), dict)  # one read, no sample dicts
+
+
+def test_whole_batch_reads_only_where_nothing_runs_per_sample(tmp_path: Any) -> None:
+    cfg = make_cfg(BATCHSIZE_PER_REPLICA=4)
+    batched = SSLDataset([BatchedTensorSource(12)], label_arrays=[np.arange(12) % 3])
+    loader = build_dataloader(batched, cfg, "TRAIN", rank=0, world_size=1, device="cpu")
+    assert batched.collated_reads
+    plain = SSLDataset([TensorSource(12)], label_arrays=[np.arange(12) % 3])
+    build_dataloader(plain, cfg, "TRAIN", rank=0, world_size=1, device="cpu")
+    assert not plain.collated_reads and not plain.reads_batches()  # no get_batch
+    with_transforms = SSLDataset([BatchedTensorSource(12)], transforms=SSLTransformsWrapper([{"name": "ImgReplicatePil", "num_times": 2}]))
+    assert not with_transforms.reads_batches()
+    float_labels = SSLDataset([BatchedTensorSource(12)], label_arrays=[np.linspace(0, 1, 12)])
+    assert not float_labels.reads_batches()
+    other = SSLDataset([BatchedTensorSource(12)], label_arrays=[np.arange(12) % 3])
+    build_dataloader(other, make_cfg(BATCHSIZE_PER_REPLICA=4, COLLATE_FUNCTION="simclr_collator"), "TRAIN",
+                     rank=0, world_size=1, device="cpu")
+    assert not other.collated_reads  # another collator gets the sample dicts it expects
+    # the loader's batches are the per-sample ones, epoch after epoch
+    for epoch in (0, 1):
+        set_loader_position(loader, epoch)
+        batched.collated_reads = True
+        whole = list(loader)
+        batched.collated_reads = False
+        for a, b in zip(list(loader), whole):
+            _assert_same_batch(a, b)
+
+
+def test_an_unreadable_sample_in_a_whole_batch_read_is_replaced_as_in_a_sample_read(caplog: Any) -> None:
+    ds = SSLDataset([BatchedTensorSource(10, bad=4)], label_arrays=[np.arange(10)])
+    ds.collated_reads = True
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.dataset"):
+        batch = default_collate(ds.__getitems__([(0, 3), (0, 4), (0, 5)]))
+    assert "sample4.npy" in caplog.text and ds.num_skipped == 1
+    assert batch["data_valid"][0].tolist() == [1, -1, 1] and batch["label"][0].tolist() == [3, 5, 5]
+    assert torch.equal(batch["data"][0][1], ds.sources[0].x[5])
+    with pytest.raises(IndexError, match="out of range"):
+        ds.__getitems__([(0, 1), (0, 10)])

@@ -883,3 +883,42 @@ def test_metrics_line_cut_short_is_undone(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(OSError, match="only 5 of"):
         metrics_hook.append_line(path, '{"phase_idx": 1}\n')
     assert path.read_text() == '{"phase_idx": 0}\n'
+
+
+def test_deferred_sum_reads_the_weighted_sum_before_and_after_folding(monkeypatch):
+    from ssl_engine.hooks.deferred_sum import DeferredSum
+
+    values = [torch.tensor(v) for v in (0.5, 1.25, -2.0, 3.0, 0.125)]
+    weights = [1.0, 2.0, 0.5, 3.0, 1.0]
+    expected = sum(float(v) * w for v, w in zip(values, weights))
+    monkeypatch.setattr(DeferredSum, "FOLD_EVERY", 2)  # folds into one tensor after every second add
+    for fold_every in (2, 1024):
+        DeferredSum.FOLD_EVERY = fold_every
+        s = DeferredSum()
+        assert s.total() == 0.0 and math.isnan(s.mean())
+        for v, w in zip(values, weights):
+            s.add(v, w)
+        assert s.total() == pytest.approx(expected, abs=1e-12)
+        assert s.mean() == pytest.approx(expected / sum(weights), abs=1e-12)
+        s.clear()
+        s.add(torch.tensor([4.0]))
+        assert s.total() == 4.0
+
+
+def test_stdout_json_writer_appends_whole_lines_and_reopens_after_close(tmp_path):
+    import pickle
+
+    from ssl_engine.hooks import JsonLinesWriter
+
+    path = tmp_path / "stdout.json"
+    w = JsonLinesWriter(path)
+    assert not path.exists()  # created with its first line
+    w.write({"iteration": 1, "loss": 0.5})
+    w.write({"iteration": 2, "loss": 0.25})
+    w.close()
+    copy = pickle.loads(pickle.dumps(w))
+    w.write({"iteration": 3, "loss": 0.125})
+    copy.write({"iteration": 4, "loss": 0.0625})
+    w.close()
+    copy.close()
+    assert [json.loads(x)["iteration"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]

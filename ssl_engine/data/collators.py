@@ -20,6 +20,11 @@ SAMPLE_KEYS = ("data", "label", "data_valid", "data_idx")
 _SAMPLE_KEY_SET = frozenset(SAMPLE_KEYS)
 
 
+class CollatedBatch(dict):
+    """A batch already in ``default_collate``'s layout, made by ``SSLDataset.read_batch`` from
+    sources that read many samples at once; ``default_collate`` passes it through."""
+
+
 def _stack(items: List[Any], what: str) -> torch.Tensor:
     """Stack tensors along a new batch dim, with a message a user can act on when it fails."""
     try:
@@ -81,6 +86,8 @@ def default_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
     With one data source and no replication every list has length 1. ``label``, ``data_valid``
     and ``data_idx`` become LongTensors of length N per position.
     """
+    if isinstance(batch, CollatedBatch):
+        return dict(batch)
     if not batch:
         raise ValueError("default_collate got an empty batch")
     out: Dict[str, Any] = {}

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from ssl_engine.data.collators import CollatedBatch
 from ssl_engine.data.sources import (
     UnreadableImageError,
     build_source,
@@ -130,6 +131,9 @@ class SSLDataset(Dataset):
         self.epoch = 0
         self.num_skipped = 0
         self._rng_preserved = False  # set by __getitems__ while it holds the caller's RNG states
+        # set by build_dataloader when its collator is default_collate and reads_batches() holds:
+        # __getitems__ then returns the collated batch itself (see read_batch)
+        self.collated_reads = False
         self._bad: Set[int] = set()
         self._warned: Set[str] = set()
         # sizes are fixed once built: __getitem__ reads these instead of asking the sources each time
@@ -272,12 +276,62 @@ class SSLDataset(Dataset):
         columns = [arr[j].tolist() for arr in self.label_arrays]
         return [list(row) for row in zip(*columns)] if columns else [[] for _ in keys]
 
+    def reads_batches(self) -> bool:
+        """True when a batch can be read with one ``get_batch`` call per source: every source
+        offers ``get_batch`` (sources.py) and no transform runs per sample. Labels must be
+        integer arrays (or ``sample_index`` / ``zero``); the rest is checked per batch."""
+        if self._has_transforms or not all(callable(getattr(s, "get_batch", None)) for s in self.sources):
+            return False
+        return self.label_type != "standard" or all(a.dtype.kind in "iu" and a.ndim == 1 for a in self.label_arrays)
+
+    def read_batch(self, keys: Sequence[Any]) -> Optional[Dict[str, Any]]:
+        """The batch of ``keys`` as ``default_collate`` would make it from their sample dicts,
+        read with one ``get_batch`` per source and one array index per label source, without
+        a dict per sample. ``None`` where this batch needs the per-sample path (an unreadable
+        image, a key that is not a sampler key); that path then gives the same batch."""
+        if self._bad or not keys or not self.reads_batches():
+            return None
+        try:
+            ids = [int(k[1]) if isinstance(k, (tuple, list)) else int(k) for k in keys]
+        except (TypeError, ValueError, IndexError):
+            return None
+        if min(ids) < 0 or max(ids) >= self._len:
+            return None  # the per-sample path raises the IndexError that names the index
+        idx = np.array(ids, dtype=np.int64)
+        j = self.subset[idx] if self.subset is not None else idx
+        try:
+            data = [src.get_batch(j) for src in self.sources]
+        except UnreadableImageError:
+            return None  # the per-sample path applies ON_CORRUPT_IMAGE to it
+        k = len(self.sources)
+        idx_t = torch.from_numpy(idx)
+        padded = [is_padded(key) for key in keys]
+        if any(padded):
+            valid = torch.tensor([0 if p else 1 for p in padded], dtype=torch.int64)
+        else:
+            valid = torch.ones(len(keys), dtype=torch.int64)
+        if self.label_type == "standard":
+            labels = [torch.from_numpy(arr[j].astype(np.int64, copy=False)) for arr in self.label_arrays]
+        else:
+            labels = [idx_t.clone() if self.label_type == "sample_index" else torch.zeros_like(idx_t) for _ in range(k)]
+        return {
+            "data": data,
+            "label": labels,
+            "data_valid": [valid] + [valid.clone() for _ in range(k - 1)],
+            "data_idx": [idx_t] + [idx_t.clone() for _ in range(k - 1)],
+        }
+
     def _samples(self, keys: Sequence[Any]) -> List[Dict[str, Any]]:
         return [self._sample(k, labels) for k, labels in zip(keys, self._batch_labels(keys))]
 
     def __getitems__(self, keys: Sequence[Any]) -> List[Dict[str, Any]]:
         """A batch of samples: labels looked up for the whole batch at once and, in the training
-        process, the caller's RNG states saved and restored once per batch, not once per sample."""
+        process, the caller's RNG states saved and restored once per batch, not once per sample.
+        With ``collated_reads`` set, the collated batch itself where ``read_batch`` can make it."""
+        if self.collated_reads:
+            batch = self.read_batch(keys)
+            if batch is not None:
+                return CollatedBatch(batch)  # type: ignore[return-value]
         if not self._draws_randomness or get_worker_info() is not None:
             return self._samples(keys)
         with preserved_rng():

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ssl_engine.data.collators import build_collator
+from ssl_engine.data.collators import build_collator, default_collate
 from ssl_engine.data.sampler import StatefulDistributedSampler
 from ssl_engine.data.sources import data_key
 from ssl_engine.errors import UserError
@@ -126,6 +126,8 @@ def build_dataloader(
     collate_fn = build_collator(
         str(scfg.get("COLLATE_FUNCTION", "default_collate")), scfg.get("COLLATE_FUNCTION_PARAMS", {}) or {}, split
     )
+    if collate_fn is default_collate and callable(getattr(dataset, "reads_batches", None)):
+        dataset.collated_reads = dataset.reads_batches()  # whole batches from sources with get_batch
     num_workers = int(data.get("NUM_DATALOADER_WORKERS", 0))
     if num_workers < 0:
         raise UserError(f"config.DATA.NUM_DATALOADER_WORKERS must be >= 0, got {num_workers}")

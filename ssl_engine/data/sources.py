@@ -8,7 +8,12 @@ A data source is registered in ``DATA_SOURCES`` under the name a user writes in
 - ``get(idx) -> PIL.Image.Image``: image ``idx`` in RGB (raise ``UnreadableImageError`` when
   the file cannot be decoded, so the dataset can apply ``ON_CORRUPT_IMAGE``),
 - optionally ``labels() -> np.ndarray``: one integer label per image (makes it usable as a
-  label source).
+  label source),
+- optionally ``get_batch(indices: np.ndarray) -> torch.Tensor``: samples ``indices`` stacked
+  along a new first dim, equal to ``torch.stack([get(i) for i in indices])``. A source whose
+  samples are already tensors (features, arrays in memory) offers it so that, with no
+  transforms and the default collator, a batch is read in one call instead of one sample dict
+  per sample (``SSLDataset.read_batch``).
 
 Sources are deterministic: ``get(idx)`` is the same image in every process, so that data
 order and augmentation depend only on (seed, epoch, sample index) (DESIGN rule 8).

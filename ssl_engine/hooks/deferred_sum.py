@@ -45,6 +45,9 @@ class DeferredSum:
 
     def total(self) -> float:
         """The weighted sum so far (one host read); 0.0 when nothing was added."""
+        if self._values and self._folded is None and self._values[0].device.type == "cpu":
+            # nothing to wait for on the CPU: reading each value beats building tensors to combine them
+            return float(sum(float(v) * w for v, w in zip(self._values, self._weights)))
         t = self._device_total()
         return 0.0 if t is None else float(t.item())
 

@@ -61,18 +61,28 @@ class ConsoleWriter(Writer):
 
 
 class JsonLinesWriter(Writer):
-    """One json line per logged iteration, appended to CHECKPOINT.DIR/stdout.json."""
+    """One json line per logged iteration, appended to CHECKPOINT.DIR/stdout.json.
+
+    The file stays open (append mode) from the first line to ``close()``: each line is one
+    ``write`` call, so a crash never leaves half a line behind a whole one.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._fd: Optional[int] = None
 
     def write(self, s: Dict[str, Any]) -> None:
-        line = (json.dumps(s) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)  # one write call: a crash never leaves half a line behind a whole one
-        finally:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(self._fd, (json.dumps(s) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
             os.close(fd)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"path": self.path, "_fd": None}  # a copy opens its own
 
 
 @HOOKS.register("PeriodicWriterHook")

@@ -23,7 +23,12 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -m "not gpu" tests
 
-bench: venv
+# the peers the benchmark runs next to the engine (PyTorch Ignite, Lightning): setup.py's bench extra
+$(VENV)/.bench-installed: $(VENV)/.installed setup.py
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(PY) benchmarks/run_all.py
 
 clean:

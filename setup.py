@@ -29,5 +29,6 @@ setup(
         "tensorboard",
         "scikit-learn",
     ],
-    extras_require={"dev": ["pytest", "hypothesis"]},
+    # bench: the peers benchmarks/peers.py runs next to the engine (make bench installs them)
+    extras_require={"dev": ["pytest", "hypothesis"], "bench": ["pytorch-ignite", "lightning"]},
 )

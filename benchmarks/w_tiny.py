@@ -34,7 +34,7 @@ from benchmarks.common import (
     set_memory_data,
     sgd_overrides,
 )
-from benchmarks.peers import classy_train
+from benchmarks.peers import classy_train, ignite_train, installed, lightning_train
 
 WORKLOAD = "W-tiny"
 
@@ -45,7 +45,11 @@ CASES: Dict[str, Dict[str, Any]] = {
                  "batch": 8, "train_iters": 100, "test_iters": 20, "epochs": 2},
 }
 
-VARIANTS = ("plain", "engine_no_hooks", "engine_default_hooks", "classy_vision")
+# peers with their package (ignite and lightning come with the project's `bench` extra)
+PEERS = {"classy_vision": "classy_vision", "ignite": "ignite", "lightning": "lightning"}
+VARIANTS = ("plain", "engine_no_hooks", "engine_default_hooks") + tuple(
+    name for name, package in PEERS.items() if installed(package)
+)
 
 
 def engine_overrides(case: Dict[str, Any], workers: int = 0) -> List[str]:
@@ -103,8 +107,9 @@ def run_variant(variant: str, case: Dict[str, Any], data: Dict[str, Any], cfg: A
         train = plain.tensor_loader(*data["train"], case["batch"], shuffle=True)
         test = plain.tensor_loader(*data["test"], case["batch"], shuffle=False)
         return plain.train_and_test(plain_model(case), train, test, case["epochs"], lr=0.1)
-    if variant == "classy_vision":
-        return classy_train(plain_model(case), data["train"], data["test"], case["batch"], case["epochs"], lr=0.1)
+    peer = {"classy_vision": classy_train, "ignite": ignite_train, "lightning": lightning_train}.get(variant)
+    if peer is not None:
+        return peer(plain_model(case), data["train"], data["test"], case["batch"], case["epochs"], lr=0.1)
     return engine_train(cfg, default_hooks=(variant == "engine_default_hooks"))
 
 
@@ -129,7 +134,10 @@ def run(repeats: int = 3, **_: Any) -> List[Row]:
         "engine_no_hooks": "engine, no hooks",
         "engine_default_hooks": "engine, default hooks",
         "classy_vision": "classy_vision LocalTrainer (peer)",
+        "ignite": "PyTorch Ignite supervised trainer (peer)",
+        "lightning": "PyTorch Lightning Trainer (peer)",
     }
+    labels = {v: label for v, label in labels.items() if v in VARIANTS}
     for variant, label in labels.items():
         ratio = median_ratio(list(zip(t[variant], t["plain"])))
         target, status = "", ""

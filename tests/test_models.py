@@ -9,6 +9,7 @@ import torch.nn as nn
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.models import SSLModel, build_model, convert_sync_batchnorm
+from ssl_engine.models.model import sync_bn_group_size
 from ssl_engine.models.heads import head_bn_kwargs
 from ssl_engine.registry import HEADS, TRUNKS
 
@@ -292,6 +293,15 @@ def test_state_roundtrip_and_sync_bn_noop(resnet18: SSLModel) -> None:
     assert any(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
     with pytest.raises(UserError, match="SYNC_BN_TYPE"):
         convert_sync_batchnorm(model, AttrDict({"CONVERT_BN_TO_SYNC_BN": True, "SYNC_BN_TYPE": "other"}))
+
+
+@pytest.mark.parametrize(
+    "group_size, world, per_node, expected",
+    [(-1, 16, 8, 8), (-1, 4, 8, 4), (0, 16, 8, 16), (4, 16, 8, 4), (32, 16, 8, 16), (-1, 2, 2, 2)],
+)
+def test_sync_bn_group_size_reads_group_size_as_vissl(group_size: int, world: int, per_node: int, expected: int) -> None:
+    # VISSL: 0 = one group of all ranks, -1 (default) = the ranks of one machine, N = N ranks
+    assert sync_bn_group_size(group_size, world, per_node) == expected
 
 
 def test_registries_hold_builtins() -> None:

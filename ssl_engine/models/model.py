@@ -344,14 +344,25 @@ def build_model(model_config: AttrDict, optimizer_config: Optional[AttrDict] = N
     return model
 
 
+def sync_bn_group_size(group_size: int, world_size: int, num_proc_per_node: int) -> int:
+    """How many ranks share one SyncBN group, as VISSL reads ``MODEL.SYNC_BN_CONFIG.GROUP_SIZE``:
+    0 means all ranks, a negative value (the default -1) the ranks of one machine, a positive
+    value that many ranks (at most the world size)."""
+    if group_size == 0:
+        return world_size
+    if group_size < 0:
+        return min(world_size, num_proc_per_node)
+    return min(world_size, group_size)
+
+
 def convert_sync_batchnorm(
     model: nn.Module, sync_bn_config: Optional[AttrDict], num_proc_per_node: Optional[int] = None
 ) -> nn.Module:
     """BatchNorms -> torch SyncBatchNorm when ``MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN``.
 
-    ``GROUP_SIZE`` (VISSL's meaning): > 0 syncs within groups of that many ranks (built with
-    ``torch.distributed.new_subgroups``, a collective every rank must reach); 0 syncs within
-    one machine (``num_proc_per_node``, else LOCAL_WORLD_SIZE); < 0 syncs over all ranks.
+    ``GROUP_SIZE`` (VISSL's meaning, see :func:`sync_bn_group_size`): > 0 syncs within groups of
+    that many ranks (built with ``torch.distributed.new_subgroups``, a collective every rank must
+    reach); 0 syncs over all ranks; < 0 (the default, -1) syncs within one machine.
     Call it on every rank, before wrapping in DistributedDataParallel.
     """
     cfg = sync_bn_config or {}
@@ -370,8 +381,9 @@ def convert_sync_batchnorm(
     process_group = None
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
-        if group_size == 0:
-            group_size = int(num_proc_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
+        group_size = sync_bn_group_size(
+            group_size, world, int(num_proc_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
+        )
         if 0 < group_size < world:
             if world % group_size:
                 raise UserError(

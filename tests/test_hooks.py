@@ -743,6 +743,12 @@ def test_temp_frozen_params(tiny_yaml: Path, tmp_path: Path) -> None:
         bad.on_start(task)
     with pytest.raises(UserError, match="TEMP_FROZEN_PARAMS_ITER_MAP entry"):
         TempFrozenParamsHook([["heads", -1]])
+    # VISSL's configs name parameters as DistributedDataParallel shows them: module.heads.0...
+    from ssl_engine.hooks.frozen_params import match_params
+
+    head_params = [n for n, _ in match_params(task.base_model, "heads.0")]
+    assert head_params and [n for n, _ in match_params(task.base_model, "module.heads.0")] == head_params
+    assert match_params(task.base_model, "module.nothing") == []
 
 
 # ------------------------------------------------------------------ end to end through the tool

@@ -35,9 +35,14 @@ def parse_iter_map(entries: Sequence[Any]) -> List[Tuple[str, int]]:
 
 
 def match_params(model: torch.nn.Module, name: str) -> List[Tuple[str, torch.nn.Parameter]]:
-    """The parameters called ``name`` or under the module ``name``."""
+    """The parameters called ``name`` or under the module ``name``. VISSL's configs name them
+    as seen through DistributedDataParallel (``module.heads.0...``): that prefix is dropped when
+    the name does not match as written."""
     prefix = name.rstrip(".") + "."
-    return [(n, p) for n, p in model.named_parameters() if n == name or n.startswith(prefix)]
+    found = [(n, p) for n, p in model.named_parameters() if n == name or n.startswith(prefix)]
+    if not found and name.startswith("module."):
+        return match_params(model, name[len("module."):])
+    return found
 
 
 @HOOKS.register("TempFrozenParamsHook")

@@ -293,3 +293,76 @@ def test_composing_and_config_errors_never_import_torch():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown config key config.OPTIMIZER.num_epoch")
+
+
+def test_vissl_config_shapes_read_as_vissl_does(tmp_path, caplog):
+    path = write_yaml(tmp_path, "vissl_shapes.yaml", """\
+        # @package _global_
+        config:
+          METERS:
+          DATA:
+            TRAIN:
+              DATA_PATHS: null
+              TRANSFORMS:
+          MODEL:
+            TRUNK:
+              NAME: resnet
+              TRUNK_PARAMS:
+                RESNETS:
+                  DEPTH: 101
+              VISION_TRANSFORMERS:
+                DROP_PATH_RATE: 0.1
+                QK_SCALE: 0.125
+            AMP_PARAMS:
+              AMP_ARGS: {"opt_level": "O3", "keep_batchnorm_fp32": True, "loss_scale": "dynamic"}
+        """)
+    with caplog.at_level(logging.WARNING):
+        cfg = compose([f"config={path}"])
+    defaults = compose([QUICK])
+    # an empty section keeps its defaults; an empty list is []
+    assert cfg.METERS == compose([]).METERS and cfg.DATA.TRAIN.DATA_PATHS == [] and cfg.DATA.TRAIN.TRANSFORMS == []
+    # VISSL's older TRUNK_PARAMS layout is read one level up, with a warning
+    assert cfg.MODEL.TRUNK.RESNETS.DEPTH == 101 and "TRUNK_PARAMS" not in cfg.MODEL.TRUNK
+    assert "TRUNK_PARAMS is VISSL's older layout" in caplog.text
+    # [compat] keys keep any value a VISSL config gives them (they are not acted on)
+    assert cfg.MODEL.TRUNK.VISION_TRANSFORMERS.QK_SCALE == 0.125
+    assert cfg.MODEL.TRUNK.VISION_TRANSFORMERS.DROP_PATH_RATE == 0.1
+    # AMP_ARGS are apex's arguments: any key
+    assert cfg.MODEL.AMP_PARAMS.AMP_ARGS == {"opt_level": "O3", "keep_batchnorm_fp32": True, "loss_scale": "dynamic"}
+    assert defaults.MODEL.AMP_PARAMS.AMP_ARGS == {"opt_level": "O1"}
+    # a key of a section that is not [compat] still has its type checked
+    with pytest.raises(ConfigError, match="config.OPTIMIZER.num_epochs='two' has the wrong type"):
+        compose([QUICK, "config.OPTIMIZER.num_epochs=two"])
+
+
+def test_a_key_in_the_wrong_section_names_where_it_belongs(tmp_path):
+    path = write_yaml(tmp_path, "misplaced.yaml", "# @package _global_\nconfig:\n  TENSORBOARD_SETUP:\n    USE_TENSORBOARD: true\n")
+    with pytest.raises(ConfigError, match=r"unknown config key config.TENSORBOARD_SETUP \(closest: config.HOOKS.TENSORBOARD_SETUP\)"):
+        compose([f"config={path}"])
+    with pytest.raises(ConfigError, match=r"config.PERF_STAT_FREQUENCY \(closest: config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY\)"):
+        compose([QUICK, "config.PERF_STAT_FREQUENCY=3"])
+
+
+def test_vissl_overlay_of_a_config_group_file(tmp_path, monkeypatch):
+    group = tmp_path / "config" / "feature_extraction" / "trunk_only"
+    group.mkdir(parents=True)
+    write_yaml(group, "rn50_layers.yaml", """\
+        # @package _global_
+        config:
+          MODEL:
+            FEATURE_EVAL_SETTINGS:
+              EVAL_MODE_ON: True
+              EXTRACT_TRUNK_FEATURES_ONLY: True
+              LINEAR_EVAL_FEAT_POOL_OPS_MAP: [["res5", ["AdaptiveAvgPool2d", [[1, 1]]]]]
+        """)
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))
+    cfg = compose([QUICK, "+config/feature_extraction/trunk_only=rn50_layers"])
+    fes = cfg.MODEL.FEATURE_EVAL_SETTINGS
+    assert fes.EVAL_MODE_ON and fes.EXTRACT_TRUNK_FEATURES_ONLY
+    assert fes.LINEAR_EVAL_FEAT_POOL_OPS_MAP == [["res5", ["AdaptiveAvgPool2d", [[1, 1]]]]]
+    # command-line keys win over the overlay, which wins over the experiment
+    cfg = compose([QUICK, "+config/feature_extraction/trunk_only=rn50_layers.yaml",
+                   "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=false"])
+    assert cfg.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON is False
+    with pytest.raises(ConfigError, match=r"trunk_only=rn51 matches no file rn51\.yaml under .*; options there: rn50_layers"):
+        compose([QUICK, "+config/feature_extraction/trunk_only=rn51"])

@@ -124,6 +124,8 @@ def _split_override(item: str) -> Tuple[str, str]:
         )
     key, value = item.split("=", 1)
     key = key.strip()
+    if re.fullmatch(r"\+config(/[\w.\-]+)+", key):
+        return key, value  # VISSL's overlay of a config group file: +config/<group path>=<file>
     if not key or not re.fullmatch(r"[+~]{0,2}[A-Za-z_][\w.\-\[\]]*", key):
         raise ConfigError(
             f"override {item!r} has an invalid key {key!r}: use config.SECTION.KEY=value (or +config.NEW_KEY=value)"
@@ -291,6 +293,22 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
 _USER_FILE = "user_file"
 
 
+def _resolve_overlay(group: str, value: str) -> Tuple[str, Path]:
+    """``+config/<group>=<name>``: the file ``<group>/<name>.yaml`` of a config folder, merged
+    over the experiment (VISSL's way of adding e.g. feature_extraction/trunk_only=rn50_layers)."""
+    name = value.strip()
+    name = name[:-5] if name.endswith(".yaml") else name
+    for d in config_search_dirs():
+        f = d / group / f"{name}.yaml"
+        if f.is_file():
+            _check_yaml_file(f)
+            return name, f
+    options = sorted({p.stem for d in config_search_dirs() if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
+    dirs = ", ".join(str(d / group) for d in config_search_dirs())
+    hint = f"; options there: {', '.join(options[:12])}" if options else ""
+    raise ConfigError(f"+{group}={value} matches no file {name}.yaml under {dirs}{hint}")
+
+
 def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file: Optional[str] = None) -> dict:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -340,6 +358,11 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             key, value = _split_override(item)
             if key == "config":
                 experiment = value
+                continue
+            if key.startswith("+config/"):
+                option, overlay = _resolve_overlay(key[1:], value)
+                added_keys += declared_added_keys(overlay)
+                hydra_overrides.append(f"{key}={option}")
                 continue
             _check_override_grammar(item)
             if key.startswith("+"):

@@ -5,6 +5,7 @@ out-of-range values are ConfigErrors. Keys marked ``[compat]`` in defaults.yaml 
 for VISSL configs but not acted on: a non-default value logs one warning naming the key.
 """
 
+import copy
 import logging
 import math
 import re
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 # Subtrees whose children are free-form (a registered part's own options).
 _OPEN_PARENTS = {"config.MODEL.TRUNK", "config.LOSS", "config.METERS"}
+# Mappings whose keys and values are passed on as they are (VISSL hands AMP_ARGS to apex).
+_FREE_FORM = {"config.MODEL.AMP_PARAMS.AMP_ARGS"}
 
 
 def flatten_keys(tree: Dict[str, Any], prefix: str = "") -> List[str]:
@@ -50,6 +53,9 @@ def nearest_keys(key: str, known: Iterable[str], n: int = 3) -> List[str]:
     any, else keys anywhere whose last part is similar (a key put in the wrong section)."""
     known = list(known)
     parent, _, leaf = key.rpartition(".")
+    moved = [k for k in known if k.rpartition(".")[2] == leaf and k != key]
+    if moved:  # the same key in another section: most likely put in the wrong place
+        return sorted(moved, key=len)[:n]
     siblings = [k for k in known if k.rpartition(".")[0] == parent]
     by_leaf = {k.rpartition(".")[2]: k for k in siblings}
     near = [by_leaf[x] for x in closest(leaf, by_leaf, n=n)]
@@ -121,14 +127,19 @@ def _type_name(v: Any) -> str:
 def _coerce(path: str, value: Any, default: Any, nullable: bool = False) -> Any:
     """Value converted to the default's type where that is lossless; ConfigError otherwise.
 
-    ``null`` is accepted where the default is null, means '' for a string key, and is
-    accepted for ``[compat]`` keys (``nullable``); anywhere else it is a wrong type.
+    ``null`` is accepted where the default is null, means '' for a string key, [] for a list,
+    the defaults for a section, and is accepted for ``[compat]`` keys (``nullable``); anywhere
+    else it is a wrong type.
     """
     if default is None:
         return value
     if value is None:
         if isinstance(default, str):
             return ""
+        if isinstance(default, list):
+            return []  # `KEY:` with nothing after it, or `KEY: null`: an empty list
+        if isinstance(default, dict):
+            return copy.deepcopy(default)  # a section header with nothing under it: its defaults
         if nullable:
             return value
     bad = ConfigError(
@@ -209,11 +220,20 @@ class _Walker:
                     self.unknown.append(kpath)
                 continue
             dval = default[key]
+            if kpath in _FREE_FORM and isinstance(value, dict):
+                out[key] = {**dval, **value}
+                continue
             if isinstance(dval, dict) and dval and isinstance(value, dict):
                 out[key] = self.walk(value, dval, kpath)
                 continue
-            out[key] = _coerce(kpath, value, dval, nullable=self.is_compat(kpath))
-            if self.is_compat(kpath) and out[key] != dval:
+            compat = self.is_compat(kpath)
+            try:
+                out[key] = _coerce(kpath, value, dval, nullable=compat)
+            except ConfigError:
+                if not compat:
+                    raise
+                out[key] = value  # not acted on: any value a VISSL config holds is kept as written
+            if compat and out[key] != dval:
                 self.compat_set.append(kpath)
         # keys the user dropped (cannot happen through hydra, but a hand-made dict may)
         for key, dval in default.items():
@@ -281,10 +301,40 @@ def check_ranges(cfg: Dict[str, Any]) -> None:
             )
 
 
+def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
+def _upgrade_trunk_params(root: Dict[str, Any]) -> None:
+    """VISSL's older layout put the trunk's options under ``MODEL.TRUNK.TRUNK_PARAMS``
+    (``TRUNK_PARAMS.RESNETS.DEPTH``); 0.1.6 reads them one level up and ignores the old place
+    without a word. Move them up, over what is there (with a warning), so the config means
+    what it says."""
+    trunk: Any = root
+    for key in ("config", "MODEL", "TRUNK"):
+        trunk = trunk.get(key) if isinstance(trunk, dict) else None
+    if not isinstance(trunk, dict) or "TRUNK_PARAMS" not in trunk:
+        return
+    old = trunk.pop("TRUNK_PARAMS")
+    if old is None:
+        return
+    if not isinstance(old, dict):
+        raise ConfigError(f"config.MODEL.TRUNK.TRUNK_PARAMS={show_value(old)} has the wrong type: expected mapping")
+    for name, options in old.items():
+        here = trunk.get(name)
+        trunk[name] = _deep_merge(here, options) if isinstance(here, dict) and isinstance(options, dict) else options
+    log.warning("config.MODEL.TRUNK.TRUNK_PARAMS is VISSL's older layout; read as config.MODEL.TRUNK.%s",
+                ", config.MODEL.TRUNK.".join(str(k) for k in old))
+
+
 def validate(
     root: Dict[str, Any], defaults: Dict[str, Any], added_keys: Iterable[str] = (), warn_unused: bool = True
 ) -> AttrDict:
     """Check a composed root dict against the defaults; return the config node as an AttrDict."""
+    _upgrade_trunk_params(root)
     walker = _Walker(added_keys, compat_keys())
     merged = walker.walk(root, defaults, "")
     if walker.unknown:

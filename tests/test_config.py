@@ -366,3 +366,20 @@ def test_vissl_overlay_of_a_config_group_file(tmp_path, monkeypatch):
     assert cfg.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON is False
     with pytest.raises(ConfigError, match=r"trunk_only=rn51 matches no file rn51\.yaml under .*; options there: rn50_layers"):
         compose([QUICK, "+config/feature_extraction/trunk_only=rn51"])
+
+
+def test_every_problem_of_a_file_is_named_at_once(tmp_path):
+    path = write_yaml(tmp_path, "three_mistakes.yaml", """\
+        # @package _global_
+        config:
+          OPTIMIZER:
+            num_epochs: two
+            num_epoch: 3
+          LOG_FREQUENCY: ten
+        """)
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={path}"])
+    msg = str(e.value)
+    assert "unknown config key config.OPTIMIZER.num_epoch (closest: config.OPTIMIZER.num_epochs)" in msg
+    assert "config.OPTIMIZER.num_epochs='two' has the wrong type" in msg
+    assert "config.LOG_FREQUENCY='ten' has the wrong type" in msg

@@ -193,6 +193,7 @@ class _Walker:
         self.added = set(added)
         self.compat = compat
         self.unknown: List[str] = []
+        self.wrong: List[str] = []  # type errors, reported together with the unknown keys
         self.compat_set: List[str] = []
 
     def is_compat(self, kpath: str) -> bool:
@@ -229,10 +230,10 @@ class _Walker:
             compat = self.is_compat(kpath)
             try:
                 out[key] = _coerce(kpath, value, dval, nullable=compat)
-            except ConfigError:
+            except ConfigError as e:
                 if not compat:
-                    raise
-                out[key] = value  # not acted on: any value a VISSL config holds is kept as written
+                    self.wrong.append(str(e))
+                out[key] = value  # [compat]: not acted on, so any value a VISSL config holds is kept as written
             if compat and out[key] != dval:
                 self.compat_set.append(kpath)
         # keys the user dropped (cannot happen through hydra, but a hand-made dict may)
@@ -337,9 +338,9 @@ def validate(
     _upgrade_trunk_params(root)
     walker = _Walker(added_keys, compat_keys())
     merged = walker.walk(root, defaults, "")
-    if walker.unknown:
+    if walker.unknown or walker.wrong:  # every problem of the file at once, not one per attempt
         known = flatten_keys(defaults)
-        raise ConfigError("; ".join(unknown_key_message(k, known, added_hint=False) for k in walker.unknown))
+        raise ConfigError("; ".join([unknown_key_message(k, known, added_hint=False) for k in walker.unknown] + walker.wrong))
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
     check_ranges(cfg)

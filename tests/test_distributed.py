@@ -267,6 +267,25 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[st
     assert not [p.name for p in folder.iterdir() if ".tmp." in p.name]
 
 
+def test_two_ranks_resumed_mid_phase_log_what_an_uninterrupted_run_logs(
+    tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]
+) -> None:
+    """Each rank's meter counts and loss sum of the interrupted phase come back to that rank."""
+    folder = tmp_path / "run"
+    args = SUPERVISED + per_rank(2) + [f"config.CHECKPOINT.DIR={folder}", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=3",
+                                       "config.CHECKPOINT.ASYNC_WRITE=false"]
+    ok(run_tool(args))
+    # cut the folder back to what a kill during iteration 7 leaves: 4 iterations per train phase,
+    # the newest checkpoint after iteration 6 (in phase 2), metrics.json with phases 0 and 1
+    for name in ("model_phase1.torch", "model_final_checkpoint_phase1.torch"):
+        (folder / name).unlink(missing_ok=True)
+    (folder / "checkpoint.torch").unlink()
+    (folder / "checkpoint.torch").symlink_to("model_iteration6.torch")
+    (folder / "metrics.json").write_text("".join(l + "\n" for l in (folder / "metrics.json").read_text().splitlines()[:2]))
+    ok(run_tool(args))
+    assert_same_metrics(read_metrics(folder), one_rank_metrics)
+
+
 def test_torchrun_equals_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:
     """torchrun starts the ranks (env://); the config's NUM_PROC_PER_NODE=1 loses to WORLD_SIZE=2."""
     folder = tmp_path / "run"

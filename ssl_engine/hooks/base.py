@@ -55,9 +55,15 @@ def parse_priority(value: Union[str, int, "Priority"]) -> int:
 
 
 class SSLHook(ClassyHook):
-    """Base of every ssl_engine hook: override only the events you need."""
+    """Base of every ssl_engine hook: override only the events you need.
+
+    ``rank_local_state = True`` marks a hook whose classy state differs between ranks (sums
+    over a rank's own batches): a checkpoint then keeps every rank's state and each rank gets
+    its own back on resume. Otherwise rank 0's state is saved and given to every rank.
+    """
 
     priority: int = Priority.NORMAL
+    rank_local_state: bool = False
 
     def on_start(self, task: Any) -> None:
         pass

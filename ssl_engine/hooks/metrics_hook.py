@@ -83,6 +83,7 @@ class MetricsHook(SSLHook):
     """
 
     priority = Priority.BELOW_NORMAL
+    rank_local_state = True  # each rank's loss sum: a checkpoint keeps every rank's (see the task)
 
     def __init__(self, folder: str, writers: Optional[List[Any]] = None) -> None:
         super().__init__()

@@ -374,6 +374,34 @@ class SelfSupervisionTask(ClassyTask):
             out.append((name if seen[name] == 1 else f"{name}#{seen[name] - 1}", h))
         return out
 
+    def _rank_local_state(self) -> Dict[str, Any]:
+        """What differs between ranks within a phase and must return to each rank on resume:
+        the meters' counts (summed over ranks only at the phase end) and the state of hooks
+        that keep per-rank sums (``rank_local_state = True``, e.g. MetricsHook's loss sum)."""
+        return _to_cpu({
+            "meters": [m.get_classy_state() for m in self.meters],
+            "hooks": {key: h.get_classy_state() for key, h in self._hook_keys() if _rank_local(h)},
+        })
+
+    def _set_rank_local_state(self, state: Dict[str, Any], rank_states: List[Dict[str, Any]]) -> None:
+        """Each rank takes back its own meter and hook sums. With more ranks than the checkpoint's,
+        the new ranks start from zero (the phase's totals stay exact); with fewer, the sums of the
+        missing ranks are lost for the interrupted phase, which is said in a warning."""
+        if len(rank_states) > self.world_size and not state.get("phase_complete", True) and du.is_primary():
+            log.warning(
+                "the checkpoint was written by %d ranks, this run has %d: the meters and loss of the "
+                "interrupted phase leave out what ranks %d..%d had counted",
+                len(rank_states), self.world_size, self.world_size, len(rank_states) - 1,
+            )
+        if self.rank >= len(rank_states):
+            return
+        own = rank_states[self.rank]
+        for m, s in zip(self.meters, own.get("meters", [])):
+            m.set_classy_state(s)
+        for key, h in self._hook_keys():
+            if key in own.get("hooks", {}):
+                h.set_classy_state(own["hooks"][key])
+
     def get_classy_state(self, deep_copy: bool = False) -> Dict[str, Any]:
         """Everything a resumed run needs to continue bit for bit.
 
@@ -383,7 +411,9 @@ class SelfSupervisionTask(ClassyTask):
         from ssl_engine.train_steps.standard_train_step import confirm_finite_loss
 
         confirm_finite_loss(self)
-        rng = du.all_gather_object(get_rng_state())
+        local = self._rank_local_state()
+        gathered = du.all_gather_object({"rng": get_rng_state(), "local": local})  # one collective for both
+        rng = [g["rng"] for g in gathered]
         state = {
             "train": self.train,
             "phase_idx": self.phase_idx,
@@ -402,6 +432,8 @@ class SelfSupervisionTask(ClassyTask):
             "rng": rng,
             "world_size": self.world_size,
         }
+        if self.world_size > 1:
+            state["rank_states"] = [g["local"] for g in gathered]
         if deep_copy:
             import copy
 
@@ -420,11 +452,15 @@ class SelfSupervisionTask(ClassyTask):
             self.loss.load_state_dict(state["loss"])
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
-        for m, s in zip(self.meters, state.get("meters", [])):
-            m.set_classy_state(s)
+        rank_states = state.get("rank_states")
+        if rank_states:
+            self._set_rank_local_state(state, rank_states)
+        else:
+            for m, s in zip(self.meters, state.get("meters", [])):
+                m.set_classy_state(s)
         hook_states = state.get("hooks", {})
         for key, h in self._hook_keys():
-            if key in hook_states:
+            if key in hook_states and not (rank_states and _rank_local(h)):
                 h.set_classy_state(hook_states[key])
         if self.grad_scaler is not None and state.get("amp"):
             self.grad_scaler.load_state_dict(state["amp"])
@@ -441,3 +477,18 @@ class SelfSupervisionTask(ClassyTask):
                 log.warning("the checkpoint was written by %d ranks, this run has %d: RNG states are not restored exactly",
                             state.get("world_size", 1), self.world_size)
             set_rng_state(rng[self.rank % len(rng)])
+
+
+def _rank_local(hook: Any) -> bool:
+    return bool(getattr(hook, "rank_local_state", False))
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor moved to the CPU (states gathered from other ranks are pickled)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -496,15 +496,17 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
                 f"containers, and loading it would run code ({blocked.group(1)[:160]})"
             ) from None
         raise CheckpointError(f"{path} is not a checkpoint or is corrupt: it cannot be read as tensors and plain containers") from None
-    except (EOFError, zipfile.BadZipFile, RuntimeError, OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} is truncated or unreadable: {str(e).splitlines()[0][:200]}") from None
+    except Exception as e:  # noqa: BLE001 - torch's readers raise many kinds (EOFError, IndexError, ...) on garbage
+        why = (str(e).splitlines() or [""])[0][:200] or type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is truncated or unreadable: {why}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is not a checkpoint: it holds a {type(data).__name__}, not a dict")
     return data
 
 
 def is_engine_checkpoint(data: Dict[str, Any]) -> bool:
-    return isinstance(data.get("classy_state_dict"), dict) and "phase_idx" in data
+    state = data.get("classy_state_dict")
+    return isinstance(state, dict) and "phase_idx" in data and isinstance(state.get("base_model"), dict)
 
 
 def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
@@ -517,7 +519,10 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
     candidates: List[Path] = []
     pointer = folder / POINTER
     if pointer.is_symlink() or pointer.is_file():
-        candidates.append(pointer.resolve())
+        try:
+            candidates.append(pointer.resolve(strict=True))
+        except (OSError, RuntimeError) as e:  # dangling, or a loop of links
+            log.warning("skipping %s: it points nowhere readable (%s)", POINTER, e)
     candidates += [p for p in list_checkpoints(folder) if p.resolve() not in candidates]
     for p in candidates:
         if not p.exists():

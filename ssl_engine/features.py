@@ -14,8 +14,15 @@ the next chunk is computed; a rank never holds more than two chunks of a split i
 one being written and the one being filled). :func:`load_features` merges the shards of all
 ranks and chunks, sorted by index; :func:`iter_shards` walks them one at a time without loading
 the rest.
+
+Each split also has a status file, ``<folder>/extraction_{split}.json``: ``{"status": "running"}``
+from the moment its extraction starts, ``{"status": "complete", "samples": N, ...}`` once every
+rank's shards are on disk. Readers refuse a split whose extraction did not finish and check the
+sample count of a complete one; shards without a status file (written by VISSL) are read as
+they are.
 """
 
+import json
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +31,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ssl_engine.checkpoint import atomic_write
+from ssl_engine.checkpoint import atomic_write, atomic_write_text
 from ssl_engine.errors import UserError
 
 DEFAULT_CHUNK_THRESHOLD = 4096
@@ -48,6 +55,40 @@ def shard_path(folder: Path, rank: int, chunk: int, split: str, layer: str, kind
 def save_npy(path: Path, array: np.ndarray) -> None:
     """``np.save`` through a temporary file in the same folder, renamed into place."""
     atomic_write(Path(path), lambda f: np.save(f, array, allow_pickle=False))
+
+
+def status_path(folder: Path, split: str) -> Path:
+    return Path(folder) / f"extraction_{split.lower()}.json"
+
+
+def write_extraction_status(folder: Path, split: str, status: str, **details: object) -> None:
+    """Record (atomically) that the extraction of ``split`` is ``running`` or ``complete``."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(status_path(folder, split), json.dumps({"status": status, "split": split.lower(), **details}) + "\n")
+
+
+def extraction_status(folder: Path, split: str) -> Optional[Dict[str, object]]:
+    """The status file of ``split`` (None when there is none: shards written by VISSL)."""
+    path = status_path(folder, split)
+    if not path.is_file():
+        return None
+    try:
+        status = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
+        status = None
+    if not isinstance(status, dict):
+        raise FeatureShardError(f"{path} is not a status file of this engine; extract {split.lower()} again")
+    return status
+
+
+def _check_finished(folder: Path, split: str) -> Optional[Dict[str, object]]:
+    status = extraction_status(folder, split)
+    if status is not None and status.get("status") != "complete":
+        raise FeatureShardError(
+            f"the {split.lower()} extraction in {folder} did not finish (it stopped while running, see "
+            f"{status_path(folder, split).name}); run the extract_features engine again"
+        )
+    return status
 
 
 def _index(folder: Path) -> Dict[Tuple[str, str], Dict[Tuple[int, int], Dict[str, Path]]]:
@@ -104,6 +145,7 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
     split = split.lower()
     if not folder.is_dir():
         raise FeatureShardError(f"features folder {folder} does not exist")
+    _check_finished(folder, split)
     index = _index(folder)
     shards = index.get((split, layer))
     if not shards:
@@ -184,6 +226,12 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
                 f"shards of two extractions are mixed, extract again into an empty folder"
             )
     n = len(sorted_inds)
+    expected_n = (extraction_status(folder, split) or {}).get("samples")
+    if isinstance(expected_n, int) and expected_n != n:
+        raise FeatureShardError(
+            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {n} samples, but the "
+            f"extraction wrote {expected_n} (a shard was removed or added since), extract again"
+        )
     if n and (sorted_inds[0] != 0 or sorted_inds[-1] != n - 1):
         expected = int(sorted_inds[-1]) + 1
         raise FeatureShardError(

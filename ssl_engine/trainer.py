@@ -35,6 +35,7 @@ class SelfSupervisionTrainer:
     def setup(self) -> Any:
         """Build the task's parts, install hooks, then resume or initialise weights."""
         from ssl_engine.checkpoint import load_checkpoint, remove_stale_temp_files
+        from ssl_engine.errors import CheckpointError
 
         if du.is_primary():
             remove_stale_temp_files(self.checkpoint_folder)
@@ -45,7 +46,10 @@ class SelfSupervisionTrainer:
         if self.checkpoint_path:
             data = self._checkpoint if self._checkpoint is not None else load_checkpoint(self.checkpoint_path)
             self._checkpoint = None
-            task.set_classy_state(data["classy_state_dict"])
+            try:
+                task.set_classy_state(data["classy_state_dict"])
+            except CheckpointError as e:
+                raise CheckpointError(f"cannot resume from {self.checkpoint_path}: {e}") from None
             log.info("resumed from %s at phase %d, iteration %d", self.checkpoint_path, task.phase_idx, task.iteration)
         else:
             task.init_weights()
@@ -95,6 +99,10 @@ class SelfSupervisionTrainer:
         source = load_weights(task, self.checkpoint_path)
         task.base_model.eval()
         folder = output_dir(self.cfg)
+        if du.is_primary():
+            from ssl_engine.checkpoint import remove_stale_temp_files
+
+            remove_stale_temp_files(folder)  # shard files a killed extraction left half written
         summaries = [extract_split(task, split, folder) for split in extraction_splits(self.cfg)]
         log_summary(summaries, source)
         return summaries

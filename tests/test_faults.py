@@ -426,3 +426,77 @@ def test_feature_layer_names_in_a_config_cannot_leave_the_folder():
                    "[[../../outside,[Identity,[]]],[res4,[AdaptiveAvgPool2d,[[2,2]]]]]"])
     with pytest.raises(UserError, match="unknown trunk layer '../../outside'"):
         build_model(cfg.MODEL, cfg.OPTIMIZER)
+
+
+# ------------------------------------------------------------------------------------------------
+# malformed files in a run folder
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory) -> Path:
+    """A 2-epoch run cut back to what a kill during phase 2 leaves: model_phase0.torch newest."""
+    run = tmp_path_factory.mktemp("interrupted") / "run"
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for p in run.glob("model_*.torch"):
+        if p.name != "model_phase0.torch":
+            p.unlink()
+    (run / ck.POINTER).unlink()
+    (run / ck.POINTER).symlink_to("model_phase0.torch")
+    (run / "metrics.json").write_text((run / "metrics.json").read_text().splitlines()[0] + "\n")
+    return run
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def _resume(run: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=2", *extra])
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x80\x02", bytes(range(256)) * 3])
+def test_an_unreadable_newer_checkpoint_is_skipped(interrupted_run, tmp_path, garbage):
+    run = _copy_run(interrupted_run, tmp_path / "run")
+    (run / "model_iteration99.torch").write_bytes(garbage)  # newest by name and age, unreadable
+    (run / ck.POINTER).unlink()  # so that the folder's files are searched, newest first
+    proc = _resume(run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping checkpoint model_iteration99.torch" in proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout and (run / "model_final_checkpoint_phase1.torch").exists()
+
+
+def test_a_looping_pointer_and_broken_log_files_are_repaired_on_resume(interrupted_run, tmp_path):
+    run = _copy_run(interrupted_run, tmp_path / "run")
+    (run / ck.POINTER).unlink()
+    (run / ck.POINTER).symlink_to(ck.POINTER)  # a link to itself
+    with open(run / "metrics.json", "a") as f:
+        f.write('null\n{"phase_idx": "two", "train_loss": 1.0}\n{"phase_idx": 5, "train_lo')
+    with open(run / "stdout.json", "a") as f:
+        f.write('{"iteration": 3, "lo')  # a line cut short by the kill
+    proc = _resume(run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    phases = [json.loads(l)["phase_idx"] for l in (run / "metrics.json").read_text().splitlines()]
+    assert phases == [0, 1]  # two train phases (no test phases in BASE)
+    lines = (run / "stdout.json").read_text().splitlines()
+    assert all(isinstance(json.loads(l), dict) for l in lines)
+
+
+def test_a_checkpoint_of_another_model_is_one_line(interrupted_run, tmp_path):
+    run = _copy_run(interrupted_run, tmp_path / "run")
+    proc = _resume(run, "config.MODEL.TRUNK.MLP.DIMS=[3072,8]", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[8,10]}]]")
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert "model_phase0.torch" in line and "do not fit this model" in line and "CHECKPOINT.DIR" in line, line
+
+
+def test_metrics_json_that_is_a_folder_is_one_line(interrupted_run, tmp_path):
+    run = _copy_run(interrupted_run, tmp_path / "run")
+    (run / "metrics.json").unlink()
+    (run / "metrics.json").mkdir()
+    proc = _resume(run)
+    assert proc.returncode == 2
+    assert "metrics.json is not a file" in one_error_line(proc)

@@ -3,6 +3,7 @@ weights from a checkpoint folder or MODEL.WEIGHTS_INIT, the kNN test, and linear
 
 import importlib.util
 import re
+import subprocess
 import threading
 from pathlib import Path
 from typing import Dict, List
@@ -22,8 +23,11 @@ from ssl_engine.features import (
     iter_shards,
     load_features,
     remove_shards,
+    extraction_status,
     save_npy,
     shard_path,
+    status_path,
+    write_extraction_status,
 )
 from ssl_engine.knn import knn_accuracy
 
@@ -110,6 +114,25 @@ def test_shards_written_in_the_background_equal_what_was_added(tmp_path: Path) -
     expected = (np.arange(1000)[:, None] * 10.0 + np.arange(6)).reshape(1000, 2, 3).astype(np.float32)
     np.testing.assert_array_equal(got["features"], expected)
     np.testing.assert_array_equal(got["targets"], np.arange(1000) % 3)
+
+
+def test_a_split_whose_extraction_did_not_finish_is_refused(tmp_path: Path) -> None:
+    # shards of a killed extraction: the status file still says running
+    write_extraction_status(tmp_path, "train", "running")
+    write_split(tmp_path, "train", np.arange(30), threshold=8, batch=5)
+    with pytest.raises(FeatureShardError, match="the train extraction in .* did not finish"):
+        load_features(tmp_path, "train", "res5avg")
+    with pytest.raises(FeatureShardError, match="did not finish"):
+        list(iter_shards(tmp_path, "train", "res5avg"))
+    # complete, but a shard went missing since
+    write_extraction_status(tmp_path, "train", "complete", samples=30)
+    assert len(load_features(tmp_path, "train", "res5avg")["inds"]) == 30
+    write_extraction_status(tmp_path, "train", "complete", samples=40)
+    with pytest.raises(FeatureShardError, match="30 samples, but the extraction wrote 40"):
+        load_features(tmp_path, "train", "res5avg")
+    # shards without a status file (written by VISSL) are read as they are
+    status_path(tmp_path, "train").unlink()
+    assert len(load_features(tmp_path, "train", "res5avg")["inds"]) == 30
 
 
 def test_a_failed_background_write_raises_and_leaves_no_temp_file_or_thread(tmp_path: Path, monkeypatch) -> None:
@@ -251,10 +274,19 @@ def pretrained(tmp_path_factory) -> Path:
     return folder
 
 
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
 @pytest.fixture(scope="module")
 def one_rank(pretrained: Path, tmp_path_factory) -> Dict[str, object]:
     """1-rank extraction of the trained trunk through the kNN tool (which extracts first)."""
     out = tmp_path_factory.mktemp("one_rank")
+    # what a writer killed mid-shard leaves behind (its pid is gone): removed when extraction starts
+    dead_pid = _dead_pid()
+    (out / f".rank0_chunk0_train_res5avg_features.npy.tmp.{dead_pid}").write_bytes(b"\x93NUMPY half")
     proc = tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
                  f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.NEAREST_NEIGHBOR.TOPK=5", *DIGITS_SMALL],
                 script=NN_TOOL)
@@ -269,7 +301,10 @@ def test_extraction_with_one_and_two_ranks_gives_the_same_features(pretrained: P
     assert "train res5avg: 101 samples, features [101, 512]" in proc.stdout
     assert "test res5avg: 37 samples" in proc.stdout
     names = sorted(p.name for p in two.iterdir())
-    assert all(SHARD_RE.match(n) for n in names), names
+    assert names[:2] == ["extraction_test.json", "extraction_train.json"]
+    assert all(SHARD_RE.match(n) for n in names[2:]), names
+    assert extraction_status(two, "TRAIN") == {"status": "complete", "split": "train", "samples": 101,
+                                               "layers": {"res5avg": {"shape": [512], "dtype": "float32"}}}
     # 101 train samples: rank 0 gets 51 (chunks of 16, 16, 16, 3), rank 1 gets 50 (16, 16, 16, 2)
     for rank, last in ((0, 3), (1, 2)):
         sizes = [len(np.load(shard_path(two, rank, c, "train", "res5avg", "inds"))) for c in range(4)]

@@ -928,3 +928,16 @@ def test_stdout_json_writer_appends_whole_lines_and_reopens_after_close(tmp_path
     w.close()
     copy.close()
     assert [json.loads(x)["iteration"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+    # a line a killed run left half written is cut off when the next run starts
+    with open(path, "a") as f:
+        f.write('{"iteration": 5, "lo')
+    again = JsonLinesWriter(path)
+    again.start()
+    again.close()
+    assert path.read_text().endswith('"loss": 0.0625}\n')
+    bare = tmp_path / "no_newline_at_all.json"
+    bare.write_text('{"iteration": 1')
+    cut = JsonLinesWriter(bare)
+    cut.start()
+    cut.close()
+    assert bare.read_text() == ""

@@ -26,7 +26,7 @@ from ssl_engine.checkpoint import load_checkpoint, newest_good_checkpoint
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo
 from ssl_engine.errors import CheckpointError, UserError
-from ssl_engine.features import ShardWriter, remove_shards
+from ssl_engine.features import ShardWriter, remove_shards, write_extraction_status
 from ssl_engine.registry import ENGINES
 from ssl_engine.trainer import SelfSupervisionTrainer
 
@@ -160,6 +160,7 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     cfg = task.config
     t0 = time.perf_counter()
     if du.is_primary():
+        write_extraction_status(folder, split, "running")  # readers refuse the split until it is complete
         removed = remove_shards(folder, split)
         if removed:
             log.info("removed %d shard files of an earlier %s extraction in %s", removed, split.lower(), folder)
@@ -182,12 +183,15 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
                 feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
             arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
             writer.add(arrays, _targets(batch, len(inds)), inds)
-    counts = du.all_gather_object(writer.num_samples)
+    counts = du.all_gather_object(writer.num_samples)  # every rank's shards are on disk past this point
+    layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
+    if du.is_primary():
+        write_extraction_status(folder, split, "complete", samples=int(sum(counts)), layers=layers)
     return {
         "split": split.lower(),
         "samples": int(sum(counts)),
         "samples_per_rank": counts,
-        "layers": {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()},
+        "layers": layers,
         "chunks": writer.chunk,
         "seconds": time.perf_counter() - t0,
         "folder": str(folder),

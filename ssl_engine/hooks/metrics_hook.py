@@ -15,6 +15,7 @@ import torch
 
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import atomic_write_text
+from ssl_engine.errors import UserError
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
 from ssl_engine.registry import HOOKS
@@ -25,13 +26,22 @@ log = logging.getLogger(__name__)
 def read_metrics(path: Path) -> list:
     """The json lines of a metrics.json (a partial last line is ignored)."""
     out = []
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
+    if Path(path).is_file():
+        for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):  # anything else is not a phase record
+                out.append(record)
     return out
+
+
+def _phase_of(record: Dict[str, Any]) -> Optional[int]:
+    try:
+        return int(record.get("phase_idx", -1))
+    except (TypeError, ValueError):
+        return None
 
 
 def append_line(path: Path, line: str) -> None:
@@ -97,12 +107,14 @@ class MetricsHook(SSLHook):
     def on_start(self, task: Any) -> None:
         """Drop what a crashed attempt left behind: lines of phases this run will (re)do, and a
         partial last line. Rewrites the file (atomically) only when there is something to drop."""
-        if not du.is_primary() or not self.path.exists():
+        if not du.is_primary() or not os.path.lexists(self.path):
             return
+        if not self.path.is_file():
+            raise UserError(f"{self.path} is not a file; the run writes its phase metrics there: move it away")
         first_to_run = task.phase_idx + (0 if getattr(task, "_resume_in_phase", False) else 1)
-        text = self.path.read_text()
+        text = self.path.read_text(encoding="utf-8", errors="replace")
         records = read_metrics(self.path)
-        kept = [r for r in records if int(r.get("phase_idx", -1)) < first_to_run]
+        kept = [r for r in records if (_phase_of(r) if _phase_of(r) is not None else first_to_run) < first_to_run]
         partial = bool(text) and not text.endswith("\n")
         if len(kept) != len(records) or partial or len(records) != text.count("\n"):
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -38,6 +38,9 @@ class Writer:
     per-phase record (the metrics.json line). Override the ones the writer cares about.
     """
 
+    def start(self) -> None:
+        """The run starts (rank 0): e.g. repair what a killed run left in the file."""
+
     def write(self, stats: Dict[str, Any]) -> None:
         pass
 
@@ -60,6 +63,23 @@ class ConsoleWriter(Writer):
         )
 
 
+def drop_partial_last_line(fd: int) -> None:
+    """Cut a file of json lines back to its last newline: what a killed writer left after it
+    (half a line) would otherwise be glued to the next line written."""
+    size = os.fstat(fd).st_size
+    end = size
+    while end > 0:
+        start = max(0, end - 65536)
+        block = os.pread(fd, end - start, start)
+        nl = block.rfind(b"\n")
+        if nl >= 0:
+            end = start + nl + 1
+            break
+        end = start
+    if end != size:
+        os.ftruncate(fd, end)
+
+
 class JsonLinesWriter(Writer):
     """One json line per logged iteration, appended to CHECKPOINT.DIR/stdout.json.
 
@@ -71,10 +91,18 @@ class JsonLinesWriter(Writer):
         self.path = Path(path)
         self._fd: Optional[int] = None
 
-    def write(self, s: Dict[str, Any]) -> None:
+    def start(self) -> None:
+        if self._fd is None and self.path.is_file():
+            self._open()  # a line a killed run left half written is cut off now, not after the next line
+
+    def _open(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.write(self._fd, (json.dumps(s) + "\n").encode())
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            drop_partial_last_line(self._fd)
+        return self._fd
+
+    def write(self, s: Dict[str, Any]) -> None:
+        os.write(self._open(), (json.dumps(s) + "\n").encode())
 
     def close(self) -> None:
         if self._fd is not None:
@@ -101,6 +129,13 @@ class PeriodicWriterHook(SSLHook):
         self._t_last = 0.0
         self._batch_time_sum = 0.0
         self._timed_steps = 0
+
+    def on_start(self, task: Any) -> None:
+        if du.is_primary():
+            for w in self.writers:
+                start = getattr(w, "start", None)
+                if start is not None:
+                    start()
 
     def on_phase_start(self, task: Any) -> None:
         self._losses.clear()

@@ -356,13 +356,28 @@ class SelfSupervisionTask(ClassyTask):
         return {"model": model, "meta": {}}
 
     def load_model_state(self, state: Dict[str, Any]) -> None:
+        """Load ``{"model": {"trunk": ..., "heads": ...}}``; CheckpointError when the weights are
+        missing or do not fit this model (a model config changed since they were written)."""
+        from ssl_engine.errors import CheckpointError
+
         m = self.base_model
-        if getattr(m, "trunk", None) is not None:
-            m.trunk.load_state_dict(state["model"]["trunk"])
-            if getattr(m, "heads", None) is not None:
-                m.heads.load_state_dict(state["model"]["heads"])
-        else:
-            m.load_state_dict(state["model"]["trunk"])
+        try:
+            weights = state["model"]
+            parts = [(m.trunk, weights["trunk"])] if getattr(m, "trunk", None) is not None else [(m, weights["trunk"])]
+            if getattr(m, "trunk", None) is not None and getattr(m, "heads", None) is not None:
+                parts.append((m.heads, weights["heads"]))
+        except (KeyError, TypeError):
+            raise CheckpointError("it holds no model weights (classy_state_dict.base_model.model.trunk / heads)") from None
+        for module, part in parts:
+            try:
+                module.load_state_dict(part)
+            except (RuntimeError, TypeError, AttributeError) as e:
+                why = " ".join(str(e).split())[:300]
+                raise CheckpointError(
+                    f"its weights do not fit this model ({why}); the model config differs from the run that "
+                    f"wrote it: use a new config.CHECKPOINT.DIR, or set config.CHECKPOINT.OVERWRITE_EXISTING=true "
+                    f"to start this folder over"
+                ) from None
 
     def _hook_keys(self) -> List[Any]:
         """(key, hook) pairs: the class name, with '#k' for the k-th repeat of a class."""

@@ -142,6 +142,9 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int]) -> i
     """A command line tool's frame: parse ``config=... key=value`` arguments, compose and check
     the config, run ``body(cfg, node_id)``, and turn user errors into one line and exit code 2
     (a non-finite loss: exit 1; Ctrl-C: 130). ``--debug`` or SSL_ENGINE_DEBUG=1 keeps tracebacks."""
+    from ssl_engine import preemption
+
+    preemption.install()  # a preemption signal during startup is kept for the first step, not fatal
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("SSL_ENGINE_DEBUG", "") not in ("", "0")
     quiet_dependency_warnings()

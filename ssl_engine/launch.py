@@ -235,6 +235,10 @@ class RankGroup:
                     forwarded[sig] = signal.signal(sig, forward)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            from ssl_engine import preemption
+
+            if preemption.requested():  # a preemption signal reached the launcher before the ranks ran
+                self.send(signal.SIGTERM)
             self._wait()
             return self._report()
         finally:

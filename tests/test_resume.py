@@ -203,6 +203,29 @@ def test_preemption_signal_checkpoints_and_exits_3(setup, reference):
     assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_preemption_signal_during_startup_checkpoints_at_the_first_step(setup, reference, ranks):
+    """SIGTERM while the tool still composes the config and imports torch: kept, not fatal."""
+    root, cfg = setup
+    folder = root / f"preempted_at_start_{ranks}"
+    cmd = [sys.executable, str(TOOL), f"config={cfg}", f"config.CHECKPOINT.DIR={folder}"]
+    if ranks == 2:
+        cmd += ["config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=tool_env({"SSL_TEST_KILL": ""}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    assert proc.poll() is None, "the run ended before the signal"
+    assert not folder.exists() or not list(folder.glob("model_*.torch")), "training started before the signal"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err[-3000:]
+    assert [p.name for p in folder.glob("model_iteration*.torch")], out[-2000:]
+    if ranks == 1:
+        r = run(cfg, folder)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+
 def test_resume_does_not_replay_data(setup, tmp_path):
     root, cfg = setup
     folder, reads = tmp_path / "run", tmp_path / "reads.txt"

@@ -341,6 +341,9 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs(tmp_path):
         compose([f"config={path}"])
     with pytest.raises(ConfigError, match=r"config.PERF_STAT_FREQUENCY \(closest: config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY\)"):
         compose([QUICK, "config.PERF_STAT_FREQUENCY=3"])
+    # sections of other VISSL tools are named as such
+    with pytest.raises(ConfigError, match=r"config.SVM configures VISSL's SVM benchmark .* which ssl_engine does not provide"):
+        compose([QUICK, "+config.SVM.cost=1"[1:]])
 
 
 def test_vissl_overlay_of_a_config_group_file(tmp_path, monkeypatch):

@@ -69,8 +69,21 @@ def nearest_keys(key: str, known: Iterable[str], n: int = 3) -> List[str]:
     return near[:n]
 
 
+# Sections of VISSL configs read by VISSL tools that ssl_engine does not have.
+_OTHER_TOOLS = {
+    "config.SVM": "VISSL's SVM benchmark (tools/train_svm.py)",
+    "config.LOW_SHOT_BENCHMARK": "VISSL's low-shot benchmark (tools/train_svm_low_shot.py)",
+}
+
+
 def unknown_key_message(key: str, known: Iterable[str], added_hint: bool = True) -> str:
     """'unknown config key K (closest: ...)', or the valid keys of its section when none is close."""
+    section = ".".join(key.split(".")[:2])
+    if section in _OTHER_TOOLS:
+        return (
+            f"{section} configures {_OTHER_TOOLS[section]}, which ssl_engine does not provide; remove the "
+            f"section (benchmarks here: tools/nearest_neighbor_test.py and linear evaluation, see README)"
+        )
     known = list(known)
     near = nearest_keys(key, known)
     if near:

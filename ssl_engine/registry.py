@@ -33,10 +33,12 @@ class Registry:
 
         return wrap
 
-    def get(self, name: str) -> Any:
-        """The object registered as ``name``; an unknown name is a UserError listing the known ones."""
+    def get(self, name: str, key: Optional[str] = None) -> Any:
+        """The object registered as ``name``; an unknown name is a UserError listing the known ones
+        and naming the config key (``key`` when the caller knows the exact one, e.g. with the split)."""
         if name not in self._objects:
-            where = f" (config key {self.config_key})" if self.config_key else ""
+            key = key or self.config_key
+            where = f" (config key {key})" if key else ""
             raise UserError(
                 f"unknown {self.kind} {name!r}{where}{did_you_mean(str(name), self._objects)}; "
                 f"known: {', '.join(sorted(self._objects)) or '(none)'}"

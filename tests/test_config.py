@@ -10,7 +10,7 @@ import pytest
 
 from ssl_engine.config import compose, to_yaml
 from ssl_engine.config.validate import compat_keys, nearest_keys
-from ssl_engine.errors import ConfigError, one_line, unwrap_worker_error
+from ssl_engine.errors import ConfigError, UserError, one_line, unwrap_worker_error
 
 QUICK = "config=quick/supervised_digits"
 
@@ -341,6 +341,13 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs(tmp_path):
         compose([f"config={path}"])
     with pytest.raises(ConfigError, match=r"config.PERF_STAT_FREQUENCY \(closest: config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY\)"):
         compose([QUICK, "config.PERF_STAT_FREQUENCY=3"])
+    # an unknown name is reported at its exact key (split and position)
+    from ssl_engine.engines.run import load_builtin_parts
+    from ssl_engine.config.validate import check_registered_names
+
+    load_builtin_parts()
+    with pytest.raises(UserError, match=r"unknown transform 'ToTensr' \(config key config.DATA.TEST.TRANSFORMS\[1\].name\)"):
+        check_registered_names(compose([QUICK, "config.DATA.TEST.TRANSFORMS=[{name: Resize, size: 8},{name: ToTensr}]"]))
     # sections of other VISSL tools are named as such
     with pytest.raises(ConfigError, match=r"config.SVM configures VISSL's SVM benchmark .* which ssl_engine does not provide"):
         compose([QUICK, "+config.SVM.cost=1"[1:]])

@@ -367,7 +367,7 @@ def _lookup(registry: Any, key: str, name: Any) -> None:
     """``registry.get(name)``, with a ConfigError when the name is not text at all."""
     if not isinstance(name, str):
         raise ConfigError(f"{key}={show_value(name)} must be a name ({registry.kind}), got {_type_name(name)}")
-    registry.get(name)
+    registry.get(name, key)
 
 
 def check_registered_names(cfg: AttrDict) -> None:

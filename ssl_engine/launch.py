@@ -184,7 +184,10 @@ def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid
             text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         if code:
             try:
-                Path(error_dir, f"rank{info.rank}.err").write_text(f"{time.time()!r}\n{code}\n{text}")
+                from ssl_engine.engines import run as run_module
+
+                stamp = run_module.failed_at or time.time()
+                Path(error_dir, f"rank{info.rank}.err").write_text(f"{stamp!r}\n{code}\n{text}")
             except OSError:
                 pass
     try:

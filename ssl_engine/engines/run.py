@@ -1,7 +1,8 @@
 """The per-process entry point: set up the process, run the named engine, tear down."""
 
 import logging
-from typing import Any
+import time
+from typing import Any, Optional
 
 from ssl_engine import distributed as du
 from ssl_engine.config.attr_dict import AttrDict
@@ -39,5 +40,14 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
     try:
         du.seed_everything(cfg.SEED_VALUE + info.rank)
         return ENGINES.get(cfg.engine_name)(cfg, info)
+    except BaseException:
+        # when this rank failed: taken before the process group closes below, which makes the
+        # other ranks fail too, so the launcher can tell which rank failed first
+        global failed_at
+        failed_at = time.time()
+        raise
     finally:
         du.destroy_process_group()
+
+
+failed_at: Optional[float] = None  # see run_engine

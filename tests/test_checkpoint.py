@@ -16,7 +16,7 @@ from ssl_engine.errors import CheckpointError, UserError
 
 def engine_ckpt(iteration):
     return {"phase_idx": 0, "train_phase_idx": 0, "iteration": iteration, "iteration_num": iteration,
-            "type": "iteration", "classy_state_dict": {"phase_idx": 0, "w": torch.full((3,), float(iteration))}}
+            "type": "iteration", "classy_state_dict": {"phase_idx": 0, "base_model": {"w": torch.full((3,), float(iteration))}}}
 
 
 def test_save_points_and_prunes(tmp_path):

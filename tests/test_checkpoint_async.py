@@ -106,7 +106,7 @@ def gate_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 def small_ckpt(value: float) -> Dict[str, Any]:
     return {"phase_idx": 0, "train_phase_idx": 0, "iteration": int(value), "iteration_num": int(value),
-            "type": "iteration", "classy_state_dict": {"phase_idx": 0, "w": torch.full((3,), float(value))}}
+            "type": "iteration", "classy_state_dict": {"phase_idx": 0, "base_model": {"w": torch.full((3,), float(value))}}}
 
 
 # ------------------------------------------------------------------------------------------------

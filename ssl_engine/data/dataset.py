@@ -303,22 +303,22 @@ class SSLDataset(Dataset):
             data = [src.get_batch(j) for src in self.sources]
         except UnreadableImageError:
             return None  # the per-sample path applies ON_CORRUPT_IMAGE to it
-        k = len(self.sources)
-        idx_t = torch.from_numpy(idx)
+        k, n = len(self.sources), len(keys)
         padded = [is_padded(key) for key in keys]
-        if any(padded):
-            valid = torch.tensor([0 if p else 1 for p in padded], dtype=torch.int64)
-        else:
-            valid = torch.ones(len(keys), dtype=torch.int64)
+        valid = np.array([0 if p else 1 for p in padded], dtype=np.int64) if any(padded) else np.ones(n, dtype=np.int64)
         if self.label_type == "standard":
-            labels = [torch.from_numpy(arr[j].astype(np.int64, copy=False)) for arr in self.label_arrays]
+            labels = [arr[j] for arr in self.label_arrays]
         else:
-            labels = [idx_t.clone() if self.label_type == "sample_index" else torch.zeros_like(idx_t) for _ in range(k)]
+            labels = [idx if self.label_type == "sample_index" else np.zeros(n, dtype=np.int64)] * k
+        # the int rows in one tensor (views of one storage, as default_collate makes them): one
+        # shared-memory block per batch when it comes from a loader worker
+        rows = torch.from_numpy(np.stack(labels + [valid] * k + [idx] * k).astype(np.int64, copy=False)).unbind(0)
+        n_labels = len(labels)
         return {
             "data": data,
-            "label": labels,
-            "data_valid": [valid] + [valid.clone() for _ in range(k - 1)],
-            "data_idx": [idx_t] + [idx_t.clone() for _ in range(k - 1)],
+            "label": list(rows[:n_labels]),
+            "data_valid": list(rows[n_labels:n_labels + k]),
+            "data_idx": list(rows[n_labels + k:]),
         }
 
     def _samples(self, keys: Sequence[Any]) -> List[Dict[str, Any]]:

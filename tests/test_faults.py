@@ -139,14 +139,18 @@ NAN_LOSS = '''\
 '''
 
 
-def test_non_finite_loss_stops_naming_iteration_and_phase_without_checkpointing_it(tmp_path):
+def run_until_nan(tmp_path: Path, *extra: str) -> tuple:
+    """3 epochs with a loss that turns NaN at its third call; (run folder, the one error line)."""
     module = write_module(tmp_path, "nan_loss", NAN_LOSS)
     run = tmp_path / "run"
     proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=3",
-                            "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1", "config.LOSS.name=nan_from_third_step",
-                            f"config.USER_MODULES=[{module}]"])
+                            "config.LOSS.name=nan_from_third_step", f"config.USER_MODULES=[{module}]", *extra])
     assert proc.returncode == 1, proc.stderr[-4000:]
-    line = one_error_line(proc)
+    return run, one_error_line(proc)
+
+
+def test_non_finite_loss_stops_naming_iteration_and_phase_without_checkpointing_it(tmp_path):
+    run, line = run_until_nan(tmp_path, "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1")
     # two iterations per phase: the third step is iteration 2, the first of phase 1
     assert "iteration 2" in line and "phase 1" in line and "train" in line, line
     names = sorted(p.name for p in ck.list_checkpoints(run))
@@ -158,13 +162,7 @@ def test_non_finite_loss_stops_naming_iteration_and_phase_without_checkpointing_
 
 
 def test_non_finite_loss_in_a_spawned_rank_is_one_line_with_the_rank(tmp_path):
-    module = write_module(tmp_path, "nan_loss", NAN_LOSS)
-    run = tmp_path / "run"
-    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=3",
-                            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.LOSS.name=nan_from_third_step",
-                            f"config.USER_MODULES=[{module}]"])
-    assert proc.returncode == 1, proc.stderr[-4000:]
-    line = one_error_line(proc)
+    run, line = run_until_nan(tmp_path, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2")
     # 16 samples and one iteration per rank and phase: the third step is the first of phase 2
     assert line.startswith("error: rank ") and "the loss is nan at iteration 2 (phase 2, train" in line, line
     assert sorted(p.name for p in ck.list_checkpoints(run)) == ["model_phase0.torch", "model_phase1.torch"]

@@ -123,6 +123,8 @@ class SSLDataset(Dataset):
         self.source_names = list(source_names) or [type(s).__name__ for s in self.sources]
         self.transforms = transforms if transforms is not None else SSLTransformsWrapper([])
         self.label_arrays = [np.asarray(a) for a in label_arrays]
+        # standard integer labels: a whole batch's labels are one array index per label source
+        self._int_labels = all(a.dtype.kind in "iu" and a.ndim == 1 for a in self.label_arrays)
         self.label_type = label_type
         self.seed = int(seed)
         self.split = split
@@ -264,7 +266,7 @@ class SSLDataset(Dataset):
         """The labels of every key, looked up with one array index per label source (standard
         integer labels), or ``None`` per key where each sample must look up its own."""
         nothing: List[Optional[List[Any]]] = [None] * len(keys)
-        if self.label_type != "standard" or not all(a.dtype.kind in "iu" and a.ndim == 1 for a in self.label_arrays):
+        if self.label_type != "standard" or not self._int_labels:
             return nothing
         try:
             idx = np.fromiter((k[1] if isinstance(k, (tuple, list)) else k for k in keys), dtype=np.int64, count=len(keys))
@@ -282,7 +284,7 @@ class SSLDataset(Dataset):
         integer arrays (or ``sample_index`` / ``zero``); the rest is checked per batch."""
         if self._has_transforms or not all(callable(getattr(s, "get_batch", None)) for s in self.sources):
             return False
-        return self.label_type != "standard" or all(a.dtype.kind in "iu" and a.ndim == 1 for a in self.label_arrays)
+        return self.label_type != "standard" or self._int_labels
 
     def read_batch(self, keys: Sequence[Any]) -> Optional[Dict[str, Any]]:
         """The batch of ``keys`` as ``default_collate`` would make it from their sample dicts,

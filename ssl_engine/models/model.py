@@ -253,8 +253,11 @@ class SSLModel(nn.Module):
         Multi-crop batches (e.g. SwAV's 2x224 + 6x96) run one trunk pass per run of equally sized
         crops, and the features are concatenated along the batch dim, as VISSL does.
         """
-        if isinstance(batch, torch.Tensor):
-            chunks = [batch]
+        if isinstance(batch, torch.Tensor):  # one input tensor: the usual case
+            if self.trunk_frozen and torch.is_grad_enabled():
+                with torch.no_grad():
+                    return list(self.trunk(batch, layers))
+            return list(self.trunk(batch, layers))
         else:
             crops = list(batch)
             if not crops or not all(isinstance(c, torch.Tensor) for c in crops):
@@ -264,7 +267,10 @@ class SSLModel(nn.Module):
                 if i == len(crops) or crops[i].shape[1:] != crops[start].shape[1:]:
                     chunks.append(crops[start] if i - start == 1 else torch.cat(crops[start:i]))
                     start = i
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.trunk_frozen):
+        if self.trunk_frozen and torch.is_grad_enabled():
+            with torch.no_grad():
+                outs = [self.trunk(chunk, layers) for chunk in chunks]
+        else:
             outs = [self.trunk(chunk, layers) for chunk in chunks]
         if len(outs) == 1:
             return list(outs[0])
@@ -272,7 +278,10 @@ class SSLModel(nn.Module):
 
     def _pooled_features(self, batch: Batch, flatten: bool) -> List[torch.Tensor]:
         feats = self._trunk_forward(batch, list(self.feat_layer_names))
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.trunk_frozen):
+        if self.trunk_frozen and torch.is_grad_enabled():
+            with torch.no_grad():
+                feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
+        else:
             feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
         if flatten:
             feats = [f.reshape(f.shape[0], -1) for f in feats]

@@ -93,9 +93,11 @@ class SelfSupervisionTask(ClassyTask):
         self.last_loss: Optional[torch.Tensor] = None
         self.last_num_samples: Optional[int] = None  # real (not padded) samples of the last batch
         self.pending_loss_check: Any = None  # the device-side finite-loss flag not read yet (train step)
+        self.defer_loss_check = False  # read the finite-loss flag one step late also on the CPU (tests)
         self.last_data_time = 0.0
         self.stop_requested = False
         self._hook_calls: Dict[str, List[Callable]] = {ev: [] for ev in EVENTS}
+        self._time_hooks = False
 
     @classmethod
     def from_config(cls, config: AttrDict) -> "SelfSupervisionTask":
@@ -135,8 +137,11 @@ class SelfSupervisionTask(ClassyTask):
         return "\n".join(rows) or "  (no hooks)"
 
     def run_hooks(self, event: str) -> None:  # type: ignore[override]
-        if not getattr(self, "_time_hooks", False):
-            for fn in self._hook_calls[event]:
+        fns = self._hook_calls[event]
+        if not fns:
+            return
+        if not self._time_hooks:
+            for fn in fns:
                 fn(self)
             return
         seconds = self.hook_seconds

@@ -5,7 +5,6 @@ AMP (torch.autocast, GradScaler for float16 on CUDA), gradient accumulation over
 TRAINER.GRAD_ACCUMULATION_STEPS batches, gradient clipping, and a non-finite loss check.
 """
 
-import contextlib
 import math
 import time
 from typing import Any, NamedTuple, Optional, Tuple
@@ -46,10 +45,13 @@ def real_rows(batch: Any) -> Tuple[Optional[int], Optional[torch.Tensor]]:
         flags = flags[0] if flags else None
     if not isinstance(flags, torch.Tensor) or flags.ndim != 1:
         return None, None
-    if flags.device.type == "cpu":  # the usual host batch: numpy does this without torch's per-op dispatch
-        real = flags.numpy() > 0
-        n = int(np.count_nonzero(real))
-        return n, (None if n == real.size else torch.from_numpy(real))
+    if flags.is_cpu:  # the usual host batch: read as a list (numpy or torch ops cost more per step)
+        rows = flags.tolist()
+        if not rows or min(rows) > 0:  # every row real: no mask
+            return len(rows), None
+        real = [v > 0 for v in rows]
+        n = sum(real)
+        return n, torch.tensor(real)
     mask = flags > 0
     n = int(torch.count_nonzero(mask))
     return n, (None if n == flags.numel() else mask)
@@ -76,13 +78,16 @@ def check_finite_loss(task: Any, loss: torch.Tensor) -> None:
     phase's data and before a checkpoint is written): the host runs at most one step ahead of
     the check and a bad step's state is never checkpointed.
     """
-    where = (task.iteration, task.phase_idx, task.phase_type, task.local_iteration_num)
-    if loss.device.type == "cpu" and not getattr(task, "defer_loss_check", False):
+    if loss.device.type == "cpu" and not task.defer_loss_check:
         if not math.isfinite(loss.float().sum().item() if loss.ndim else loss.item()):
-            _raise_non_finite(loss, where, task.last_model_output, task.last_batch)
+            _raise_non_finite(loss, _where(task), task.last_model_output, task.last_batch)
         return
     confirm_finite_loss(task)
-    task.pending_loss_check = (torch.isfinite(loss).all(), loss, where, task.last_model_output, task.last_batch)
+    task.pending_loss_check = (torch.isfinite(loss).all(), loss, _where(task), task.last_model_output, task.last_batch)
+
+
+def _where(task: Any) -> Tuple[int, int, str, int]:
+    return (task.iteration, task.phase_idx, task.phase_type, task.local_iteration_num)
 
 
 def confirm_finite_loss(task: Any) -> None:
@@ -117,6 +122,7 @@ class StepSettings(NamedTuple):
     check_nan: bool
     training_meters: bool
     grad_clip: bool
+    amp: bool  # forward and loss run under autocast
 
 
 def step_settings(task: Any) -> StepSettings:
@@ -132,6 +138,7 @@ def step_settings(task: Any) -> StepSettings:
         check_nan=bool(cfg.HOOKS.CHECK_NAN),
         training_meters=bool(cfg.METERS.enable_training_meter),
         grad_clip=bool(cfg.MODEL.GRAD_CLIP.USE_GRAD_CLIP),
+        amp=task.amp_dtype is not None,
     )
     task._step_settings = (task.config, settings)
     return settings
@@ -148,56 +155,79 @@ def standard_train_step(task: Any) -> None:
         raise
     task.last_data_time = time.perf_counter() - t0
     settings = step_settings(task)
+    train = task.train
     task.last_num_samples, valid = real_rows(batch)  # on the host batch: no device sync
     if settings.move_to_device:
         batch = to_device(batch, task.device, settings.non_blocking)
     task.last_batch = batch
     inputs, target = _single(batch["data"]), _single(batch["label"])
 
-    accum = settings.accum if task.train else 1
-    is_update_step = (task.local_iteration_num + 1) % accum == 0 or accum == 1
-    sync_ctx = contextlib.nullcontext()
-    if task.train and not is_update_step and hasattr(task.model, "no_sync"):
-        sync_ctx = task.model.no_sync()
-
-    # Padded rows (see real_rows) are left out of meters, and out of the loss of test phases,
-    # when the outputs and target have one row per sample; train phases still train on them.
-    with sync_ctx:
-        with torch.set_grad_enabled(task.train), task.autocast():
-            output = task.model(inputs)
-            task.last_model_output = output
-            task.run_hooks("on_forward")
-            per_row = valid is not None and _rows_match(output, valid.numel()) and _rows_match(target, valid.numel())
-            if per_row and not task.train and bool(valid.any()):
-                loss = task.loss(_rows(output, valid), _rows(target, valid))
-            else:
-                loss = task.loss(output, target)
-        task.last_loss = loss.detach()
-        if settings.check_nan:
-            check_finite_loss(task, task.last_loss)
-        if task.meters and (not task.train or settings.training_meters):
-            detached = [o.detach() for o in output] if isinstance(output, (list, tuple)) else output.detach()
-            tgt = target
-            if per_row:
-                detached, tgt = _rows(detached, valid), _rows(tgt, valid)
-            if not per_row or bool(valid.any()):
-                for meter in task.meters:
-                    meter.update(detached, tgt)
-        task.run_hooks("on_loss_and_meter")
-
-        if task.train:
-            scaled = loss / accum if accum > 1 else loss
-            if task.grad_scaler is not None:
-                scaled = task.grad_scaler.scale(scaled)
-            scaled.backward()
-            task.run_hooks("on_backward")
-
-    if task.train and is_update_step:
+    accum = settings.accum if train else 1
+    is_update_step = accum == 1 or (task.local_iteration_num + 1) % accum == 0
+    if train and not is_update_step and hasattr(task.model, "no_sync"):
+        with task.model.no_sync():  # gradients are all-reduced at the update step only
+            output = _forward_backward(task, settings, inputs, target, valid, accum)
+    else:
+        output = _forward_backward(task, settings, inputs, target, valid, accum)
+    if train and is_update_step:
         _update(task)
         task.run_hooks("on_update")
-    if task.train:
+    if train:
         task.iteration += 1
     task.local_iteration_num += 1
+
+
+def _forward_backward(
+    task: Any, settings: StepSettings, inputs: Any, target: Any, valid: Optional[torch.Tensor], accum: int
+) -> Any:
+    """Forward, loss, meters and (in a train phase) backward of one batch; returns the model output.
+
+    A train phase without AMP needs no context around the forward (gradients are on); a test
+    phase runs it under no_grad, an AMP run under autocast.
+    """
+    train = task.train
+    if train and not settings.amp and torch.is_grad_enabled():
+        output, loss, per_row = _forward_loss(task, inputs, target, valid)
+    else:
+        with torch.set_grad_enabled(train), task.autocast():
+            output, loss, per_row = _forward_loss(task, inputs, target, valid)
+    task.last_loss = loss.detach()
+    if settings.check_nan:
+        check_finite_loss(task, task.last_loss)
+    if task.meters and (not train or settings.training_meters):
+        detached = [o.detach() for o in output] if isinstance(output, (list, tuple)) else output.detach()
+        tgt = target
+        if per_row:
+            detached, tgt = _rows(detached, valid), _rows(tgt, valid)
+        if not per_row or bool(valid.any()):
+            for meter in task.meters:
+                meter.update(detached, tgt)
+    task.run_hooks("on_loss_and_meter")
+    if train:
+        if accum > 1:
+            loss = loss / accum
+        if task.grad_scaler is not None:
+            loss = task.grad_scaler.scale(loss)
+        loss.backward()
+        task.run_hooks("on_backward")
+    return output
+
+
+def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Tensor]) -> Tuple[Any, torch.Tensor, bool]:
+    """(model output, loss, whether the padded rows are left out per row).
+
+    Padded rows (see real_rows) are left out of meters, and out of the loss of test phases,
+    when the outputs and target have one row per sample; train phases still train on them.
+    """
+    output = task.model(inputs)
+    task.last_model_output = output
+    task.run_hooks("on_forward")
+    per_row = valid is not None and _rows_match(output, valid.numel()) and _rows_match(target, valid.numel())
+    if per_row and not task.train and bool(valid.any()):
+        loss = task.loss(_rows(output, valid), _rows(target, valid))
+    else:
+        loss = task.loss(output, target)
+    return output, loss, per_row
 
 
 def _update(task: Any) -> None:

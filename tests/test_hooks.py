@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -278,6 +279,22 @@ def test_iteration_timer(tiny_yaml: Path, tmp_path: Path, caplog: Any) -> None:
     assert task.hook_seconds["CheckpointHook"] > 0 and task.hook_seconds["MetricsHook"] > 0
     summary = timer.summary(task)
     assert summary["hook_seconds"] == pytest.approx(sum(v for k, v in task.hook_seconds.items() if k != "IterationTimer"))
+
+
+def test_hook_timing_samples_the_per_step_events_and_scales_them(tiny_yaml: Path, tmp_path: Path) -> None:
+    """Per-step hooks are timed on one step in HOOK_TIMING_EVERY, scaled: the estimate of a hook that
+    takes 2 ms on every step is close to 2 ms times the steps, not an eighth of it."""
+    from ssl_engine.tasks.self_supervision_task import HOOK_TIMING_EVERY
+
+    class SlowStep(SSLHook):
+        def on_step(self, task: Any) -> None:
+            time.sleep(0.002)
+
+    cfg = make_cfg(tiny_yaml, tmp_path / "run")
+    task = train(cfg, base_hooks(cfg) + [IterationTimer(), SlowStep()])
+    steps = 2 * (TRAIN_ITERS_PER_EPOCH + TEST_ITERS)
+    assert HOOK_TIMING_EVERY > 1
+    assert steps * 0.002 <= task.hook_seconds["SlowStep"] <= (steps + HOOK_TIMING_EVERY) * 0.002 * 3
 
 
 def test_hooks_are_not_timed_without_the_timer(tiny_yaml: Path, tmp_path: Path) -> None:

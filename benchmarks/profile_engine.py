@@ -3,6 +3,7 @@
 
     python benchmarks/profile_engine.py iteration [--case tiny|overhead] [--hooks default|none]
     python benchmarks/profile_engine.py phases
+    python benchmarks/profile_engine.py steps [--case tiny|overhead] [--hooks default|none]
     python benchmarks/profile_engine.py startup
 
 - ``iteration``: one W-tiny engine run under cProfile; the functions with the most own time,
@@ -10,6 +11,11 @@
   the absolute figures), then the same summed per ssl_engine source file.
 - ``phases``: the W-phases engine run with each part of a phase change timed (phase-end hooks,
   meter sync, advance_phase / new data iterator), next to the step clock's phase-change figure.
+- ``steps``: the engine's train step against the plain loop's, interleaved in blocks of 100
+  steps in one process (50 rounds), with a second plain loop as the control: the figure that
+  moves when a change to the step moves it. Separate runs on a noisy machine differ by more
+  than the overhead itself; interleaving cancels the drift, and the control's difference to
+  the plain loop is the noise floor (a few microseconds).
 - ``startup``: the wall and CPU seconds of each startup stage (compose, torch, torchvision,
   built-in parts, pre-launch checks, the rank's setup, the first iteration), the startup
   command under cProfile (cumulative time of the engine's functions) and the import time per
@@ -64,6 +70,78 @@ def profile_iteration(case_name: str, hooks: str, top: int) -> None:
     print(f"\nown time per ssl_engine file (us / iteration):")
     for path, tt in sorted(per_file.items(), key=lambda kv: -kv[1])[:15]:
         print(f"{tt / n * 1e6:10.1f}  {path}")
+
+
+def profile_steps(case_name: str, hooks: str, rounds: int = 50, block: int = 100) -> None:
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks import plain, w_tiny
+    from benchmarks.common import close_loaders, engine_logging, remove_tree, with_folder
+    from ssl_engine.hooks import default_hooks
+    from ssl_engine.trainer import SelfSupervisionTrainer
+
+    case = w_tiny.CASES[case_name]
+    data = w_tiny.make_data(case)
+    folder = tempfile.mkdtemp(prefix="bench_steps_")
+    cfg = with_folder(w_tiny.compose_config(w_tiny.engine_overrides(case)), folder)
+    with engine_logging(folder):
+        trainer = SelfSupervisionTrainer(cfg, checkpoint_folder=folder,
+                                         hooks=default_hooks(cfg) if hooks == "default" else [])
+        task = trainer.setup()
+        task.on_start()
+        task.advance_phase()
+        task.on_phase_start()
+
+        def engine_step() -> None:
+            try:
+                task.train_step_fn(task)
+            except StopIteration:  # the train phase's data is used up: start it again
+                task.data_iterator = iter(task.dataloaders["TRAIN"])
+                return
+            task.run_hooks("on_step")
+
+        def plain_loop() -> Any:
+            model = w_tiny.plain_model(case)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loader = plain.tensor_loader(*data["train"], case["batch"], shuffle=True)
+            state = {"it": iter(loader), "correct": torch.zeros((), dtype=torch.int64), "loss": torch.zeros(())}
+
+            def step() -> None:
+                try:
+                    x, y = next(state["it"])
+                except StopIteration:
+                    state["it"] = iter(loader)
+                    x, y = next(state["it"])
+                out = model(x)
+                loss = F.cross_entropy(out, y)
+                state["correct"] += (out.detach().argmax(1) == y).sum()
+                state["loss"] += loss.detach()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            return step
+
+        variants = {"plain loop": plain_loop(), "engine": engine_step, "plain loop (control)": plain_loop()}
+        per_step: Dict[str, List[float]] = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, step in variants.items():
+                for _ in range(10):  # back into this variant's code and data
+                    step()
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    step()
+                per_step[name].append((time.perf_counter() - t0) / block * 1e6)
+    close_loaders(task)
+    remove_tree(folder)
+    base = per_step["plain loop"]
+    print(f"{case_name} case, {hooks} hooks: {rounds} rounds of {block} steps per variant, interleaved\n")
+    print(f"{'variant':<22} {'us / step':>10} {'minus plain loop':>17}")
+    for name, values in per_step.items():
+        diff = statistics.median(a - b for a, b in zip(values, base))
+        print(f"{name:<22} {statistics.median(values):10.1f} {diff:17.1f}")
 
 
 def short(path: str) -> str:
@@ -221,7 +299,7 @@ def profile_startup(top: int, repeats: int = 3) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("iteration", "phases", "startup"))
+    parser.add_argument("what", choices=("iteration", "steps", "phases", "startup"))
     parser.add_argument("--case", choices=("tiny", "overhead"), default="tiny")
     parser.add_argument("--hooks", choices=("default", "none"), default="default")
     parser.add_argument("--top", type=int, default=30)
@@ -233,6 +311,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.what == "iteration":
         profile_iteration(args.case, args.hooks, args.top)
+    elif args.what == "steps":
+        profile_steps(args.case, args.hooks)
     elif args.what == "phases":
         profile_phases()
     else:

@@ -23,7 +23,7 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -m "not gpu" tests
 
-# the peers the benchmark runs next to the engine (PyTorch Ignite, Lightning): setup.py's bench extra
+# the peers the benchmark runs next to the engine (PyTorch Ignite, Lightning) and py-spy: setup.py's bench extra
 $(VENV)/.bench-installed: $(VENV)/.installed setup.py
 	$(PY) -m pip install -q -e ".[bench]"
 	touch $@

@@ -29,6 +29,7 @@ setup(
         "tensorboard",
         "scikit-learn",
     ],
-    # bench: the peers benchmarks/peers.py runs next to the engine (make bench installs them)
-    extras_require={"dev": ["pytest", "hypothesis"], "bench": ["pytorch-ignite", "lightning"]},
+    # bench: the peers benchmarks/peers.py runs next to the engine (make bench installs them) and
+    # py-spy, the sampling profiler benchmarks/README.md uses to read a running loop
+    extras_require={"dev": ["pytest", "hypothesis"], "bench": ["pytorch-ignite", "lightning", "py-spy"]},
 )

@@ -78,7 +78,7 @@ def check_finite_loss(task: Any, loss: torch.Tensor) -> None:
     phase's data and before a checkpoint is written): the host runs at most one step ahead of
     the check and a bad step's state is never checkpointed.
     """
-    if loss.device.type == "cpu" and not task.defer_loss_check:
+    if loss.device.type == "cpu" and not getattr(task, "defer_loss_check", False):
         if not math.isfinite(loss.float().sum().item() if loss.ndim else loss.item()):
             _raise_non_finite(loss, _where(task), task.last_model_output, task.last_batch)
         return

@@ -117,6 +117,8 @@ def test_real_rows_counts_and_masks_padded_and_replaced_samples() -> None:
     assert n == 2
     assert mask.tolist() == [True, False, False, True]
     assert real_rows({"data": [torch.zeros(2)]}) == (None, None)
+    n, mask = real_rows({"data_valid": [torch.tensor([1.0, float("nan")])]})  # a NaN flag is not a real row
+    assert n == 1 and mask.tolist() == [True, False]
 
 
 def test_init_method_checks() -> None:

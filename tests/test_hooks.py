@@ -281,20 +281,27 @@ def test_iteration_timer(tiny_yaml: Path, tmp_path: Path, caplog: Any) -> None:
     assert summary["hook_seconds"] == pytest.approx(sum(v for k, v in task.hook_seconds.items() if k != "IterationTimer"))
 
 
-def test_hook_timing_samples_the_per_step_events_and_scales_them(tiny_yaml: Path, tmp_path: Path) -> None:
-    """Per-step hooks are timed on one step in HOOK_TIMING_EVERY, scaled: the estimate of a hook that
-    takes 2 ms on every step is close to 2 ms times the steps, not an eighth of it."""
-    from ssl_engine.tasks.self_supervision_task import HOOK_TIMING_EVERY
+def test_hook_timing_counts_every_call_also_of_hooks_that_work_every_n_steps(tiny_yaml: Path, tmp_path: Path) -> None:
+    """The timer's hook seconds hold every call: a hook that takes 2 ms on every step and one that
+    takes 20 ms on every 3rd iteration (like a log line every LOG_FREQUENCY) are both counted."""
+    every = 3
 
     class SlowStep(SSLHook):
         def on_step(self, task: Any) -> None:
             time.sleep(0.002)
 
+    class SlowEveryThird(SSLHook):
+        def on_step(self, task: Any) -> None:
+            if task.train and task.iteration % every == 0:
+                time.sleep(0.02)
+
     cfg = make_cfg(tiny_yaml, tmp_path / "run")
-    task = train(cfg, base_hooks(cfg) + [IterationTimer(), SlowStep()])
+    task = train(cfg, base_hooks(cfg) + [IterationTimer(), SlowStep(), SlowEveryThird()])
     steps = 2 * (TRAIN_ITERS_PER_EPOCH + TEST_ITERS)
-    assert HOOK_TIMING_EVERY > 1
-    assert steps * 0.002 <= task.hook_seconds["SlowStep"] <= (steps + HOOK_TIMING_EVERY) * 0.002 * 3
+    slow = (2 * TRAIN_ITERS_PER_EPOCH) // every
+    assert slow >= 1
+    assert steps * 0.002 <= task.hook_seconds["SlowStep"] <= steps * 0.002 * 5
+    assert slow * 0.02 <= task.hook_seconds["SlowEveryThird"] <= slow * 0.02 * 5
 
 
 def test_hooks_are_not_timed_without_the_timer(tiny_yaml: Path, tmp_path: Path) -> None:

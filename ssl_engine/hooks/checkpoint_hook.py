@@ -87,12 +87,9 @@ class PreemptionVote:
     def __init__(self) -> None:
         self._flag: Optional[torch.Tensor] = None
         self._work: Any = None
-        self._alone: Optional[bool] = None  # one process: looked up at the first step (after the group is set up)
 
     def agreed(self) -> bool:
-        if self._alone is None:
-            self._alone = du.get_world_size() <= 1
-        if self._alone:
+        if du.get_world_size() <= 1:
             return preemption.requested()
         stop = False
         if self._work is not None:
@@ -107,7 +104,6 @@ class PreemptionVote:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        self._alone = None
 
 
 @HOOKS.register("CheckpointHook")

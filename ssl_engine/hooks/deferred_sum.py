@@ -30,7 +30,8 @@ class DeferredSum:
         detached here: pass a detached tensor, e.g. ``task.last_loss``)."""
         values = self._values
         values.append(value.reshape(()) if value.ndim else value)
-        self._weights.append(weight)  # a number (converted when read)
+        weight = float(weight)
+        self._weights.append(weight)
         self.weight += weight
         if len(values) >= self.FOLD_EVERY:
             self._folded = self._device_total()

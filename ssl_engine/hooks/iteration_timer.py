@@ -2,9 +2,8 @@
 and at the end the total time of the run with the share spent inside hooks.
 
 Time is host wall time between consecutive steps (time.perf_counter, no device sync): over
-many iterations it equals the device's pace. The task times the hook calls only when this
-hook is installed (``wants_hook_timing``): every call of the phase events, one step in eight
-of the per-step events, scaled by eight (an estimate that costs almost nothing per step).
+many iterations it equals the device's pace. The task times each hook call only when this
+hook is installed (``wants_hook_timing``).
 """
 
 import datetime

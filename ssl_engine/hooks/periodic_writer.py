@@ -129,8 +129,6 @@ class PeriodicWriterHook(SSLHook):
         self._t_last = 0.0
         self._batch_time_sum = 0.0
         self._timed_steps = 0
-        self._global_batch_size = 0
-        self._max_iteration = 0
 
     def on_start(self, task: Any) -> None:
         if du.is_primary():
@@ -140,9 +138,6 @@ class PeriodicWriterHook(SSLHook):
                     start()
 
     def on_phase_start(self, task: Any) -> None:
-        # what every log line of the phase needs from the config, looked up once
-        self._global_batch_size = self._global_batch(task)
-        self._max_iteration = task.max_iteration
         self._losses.clear()
         self._data_time = 0.0
         self._t_last = time.perf_counter()
@@ -170,7 +165,7 @@ class PeriodicWriterHook(SSLHook):
         loss_now, avg = du.reduce_mean_scalars([loss_now, avg])
         data_time, = du.reduce_max_scalars([self._data_time])
         if du.is_primary():
-            remaining = max(0, self._max_iteration - task.iteration) if task.train else 0
+            remaining = max(0, task.max_iteration - task.iteration) if task.train else 0
             stats = {
                 "phase_type": task.phase_type,
                 "phase_idx": task.phase_idx,
@@ -183,7 +178,7 @@ class PeriodicWriterHook(SSLHook):
                 "avg_loss": avg,
                 "data_time": round(data_time, 6),
                 "batch_time": round(batch_time, 6),
-                "samples_per_sec": round(self._global_batch_size / batch_time, 3) if batch_time > 0 else 0.0,
+                "samples_per_sec": round(self._global_batch(task) / batch_time, 3) if batch_time > 0 else 0.0,
                 "eta": str(datetime.timedelta(seconds=int(remaining * batch_time))),
                 "peak_mem_mb": round(peak_memory_mb(task.device), 1),
             }

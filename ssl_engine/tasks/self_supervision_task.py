@@ -19,10 +19,6 @@ from ssl_engine import distributed as du
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.hooks.base import EVENTS, order_hooks
-
-# the events of every step, whose hook time run_hooks samples (1 step in HOOK_TIMING_EVERY)
-STEP_EVENTS = frozenset(("on_forward", "on_loss_and_meter", "on_backward", "on_update", "on_step"))
-HOOK_TIMING_EVERY = 8
 from ssl_engine.registry import TASKS, TRAIN_STEPS
 from ssl_engine.rng import get_rng_state, set_rng_state
 
@@ -112,9 +108,8 @@ class SelfSupervisionTask(ClassyTask):
     def set_hooks(self, hooks: List[Any]) -> "SelfSupervisionTask":
         """Install hooks in priority order; only the events a hook overrides are called.
 
-        A hook with ``wants_hook_timing = True`` (the IterationTimer) makes run_hooks time the
-        hook calls into ``hook_seconds`` (class name -> seconds; the per-step events sampled, see
-        :meth:`run_hooks`); otherwise nothing is timed.
+        A hook with ``wants_hook_timing = True`` (the IterationTimer) makes run_hooks time every
+        hook call into ``hook_seconds`` (class name -> seconds); otherwise nothing is timed.
         Rank 0 logs the event table.
         """
         self.hooks = order_hooks(hooks)
@@ -126,7 +121,6 @@ class SelfSupervisionTask(ClassyTask):
                     self._hook_calls[ev].append(getattr(h, ev))
         self._hook_names = {ev: [type(fn.__self__).__name__ for fn in fns] for ev, fns in self._hook_calls.items()}
         self._time_hooks = any(getattr(h, "wants_hook_timing", False) for h in self.hooks)
-        self._hook_timing_ticks = {ev: 0 for ev in STEP_EVENTS}
         self.hook_seconds: Dict[str, float] = {type(h).__name__: 0.0 for h in self.hooks}
         if self.hooks and du.is_primary():
             log.info("hooks by event, in the order they run:\n%s", self.hook_table())
@@ -143,20 +137,10 @@ class SelfSupervisionTask(ClassyTask):
         return "\n".join(rows) or "  (no hooks)"
 
     def run_hooks(self, event: str) -> None:  # type: ignore[override]
-        """Call the hooks of ``event``; with hook timing on, add their time to ``hook_seconds``.
-
-        The per-step events are timed on one step in HOOK_TIMING_EVERY and the time is scaled
-        by it (a sampled estimate: timing every call would cost more than the cheap per-step
-        hooks themselves); every other event is timed on every call.
-        """
         fns = self._hook_calls[event]
         if not fns:
             return
-        weight = 1
-        if self._time_hooks and event in STEP_EVENTS:
-            weight = HOOK_TIMING_EVERY if self._hook_timing_ticks[event] % HOOK_TIMING_EVERY == 0 else 0
-            self._hook_timing_ticks[event] += 1
-        if not self._time_hooks or not weight:
+        if not self._time_hooks:
             for fn in fns:
                 fn(self)
             return
@@ -164,7 +148,7 @@ class SelfSupervisionTask(ClassyTask):
         for fn, name in zip(fns, self._hook_names[event]):
             t0 = time.perf_counter()
             fn(self)
-            seconds[name] += (time.perf_counter() - t0) * weight
+            seconds[name] += time.perf_counter() - t0
 
     def needed_splits(self) -> List[str]:
         splits = []

@@ -45,7 +45,9 @@ def real_rows(batch: Any) -> Tuple[Optional[int], Optional[torch.Tensor]]:
         flags = flags[0] if flags else None
     if not isinstance(flags, torch.Tensor) or flags.ndim != 1:
         return None, None
-    if flags.is_cpu:  # the usual host batch: read as a list (numpy or torch ops cost more per step)
+    if flags.is_cpu and not flags.is_floating_point():
+        # the usual host batch (integer flags): read as a list, cheaper per step than numpy or
+        # torch ops; float flags take the torch path below (min() of a list skips a NaN)
         rows = flags.tolist()
         if not rows or min(rows) > 0:  # every row real: no mask
             return len(rows), None

@@ -77,7 +77,7 @@ class FeatureTrunk(nn.Module):
         the forward of every step asks the same."""
         plans = self.__dict__.setdefault("_plans", {})
         plan = plans.get(asked)
-        if plan is None:
+        if plan is None or len(plan) != 4:  # none yet, or one cached by an older layout (a pickled trunk)
             keys = list(asked) if asked else [self.default_feature_name]
             unknown = [k for k in keys if k not in self._feature_to_block]
             if unknown:

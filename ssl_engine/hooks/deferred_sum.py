@@ -28,12 +28,10 @@ class DeferredSum:
     def add(self, value: torch.Tensor, weight: float = 1.0) -> None:
         """Add ``weight * value`` (``value`` a 0-d or one-element tensor, on any device; it is not
         detached here: pass a detached tensor, e.g. ``task.last_loss``)."""
-        values = self._values
-        values.append(value.reshape(()) if value.ndim else value)
-        weight = float(weight)
-        self._weights.append(weight)
-        self.weight += weight
-        if len(values) >= self.FOLD_EVERY:
+        self._values.append(value if value.ndim == 0 else value.reshape(()))
+        self._weights.append(float(weight))
+        self.weight += float(weight)
+        if len(self._values) >= self.FOLD_EVERY:
             self._folded = self._device_total()
             self._values, self._weights = [], []
 

@@ -27,13 +27,9 @@ def as_output_list(output: Outputs) -> List[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     outputs = list(output)
-    for o in outputs:
-        if not isinstance(o, torch.Tensor):
-            break
-    else:
-        if outputs:
-            return outputs
-    raise TypeError(f"loss expects a tensor or a non-empty list of tensors, got {type(output).__name__}")
+    if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
+        raise TypeError(f"loss expects a tensor or a non-empty list of tensors, got {type(output).__name__}")
+    return outputs
 
 
 def as_class_target(target: Target) -> torch.Tensor:
@@ -43,10 +39,9 @@ def as_class_target(target: Target) -> torch.Tensor:
         if len(items) != 1:
             raise ValueError(f"expected one target tensor, got a list of {len(items)}")
         target = items[0]
-    ndim = target.ndim
-    if ndim == 2 and target.shape[1] == 1:
-        target, ndim = target[:, 0], 1
-    if ndim != 1:
+    if target.ndim == 2 and target.shape[1] == 1:
+        target = target[:, 0]
+    if target.ndim != 1:
         raise ValueError(f"expected class-index targets of shape (B,), got shape {tuple(target.shape)}")
     return target if target.dtype == torch.int64 else target.long()
 

@@ -34,10 +34,9 @@ class DeviceAccuracyMeter(AccuracyMeter):
 
     def update(self, model_output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> None:
         k_max = max(self._topk)
-        ndim = target.ndim
-        multi_label = ndim == 2 and target.shape[1] == model_output.shape[1]  # one-hot / multi-label rows
+        multi_label = target.ndim == 2 and target.shape[1] == model_output.shape[1]  # one-hot / multi-label rows
         if k_max == 1 and not multi_label:  # plain top-1: no sort needed
-            correct = (model_output.argmax(dim=1) == (target if ndim == 1 else target.reshape(-1))).sum()
+            correct = (model_output.argmax(dim=1) == (target if target.ndim == 1 else target.reshape(-1))).sum()
         else:
             _, pred = model_output.float().topk(k_max, dim=1, largest=True, sorted=True)
             if multi_label:
@@ -46,8 +45,7 @@ class DeviceAccuracyMeter(AccuracyMeter):
                 hits = pred == target.reshape(-1, 1)
             # correct@k = some hit among the first k predictions
             correct = torch.stack([hits[:, :k].any(dim=1).sum() for k in self._topk])
-        counts = self._curr_correct_predictions_k
-        if counts.is_cpu != correct.is_cpu or (not counts.is_cpu and counts.device != correct.device):
+        if self._curr_correct_predictions_k.device != correct.device:
             self._to(correct.device)
         self._curr_correct_predictions_k += correct
         self._uncounted += model_output.shape[0]  # a host int, added to the count tensor when read
@@ -149,7 +147,7 @@ class TopKListMeter(ClassyMeter):
                 out = out.detach()
             if self.ON_CPU:
                 out, tgt = out.cpu(), tgt.cpu()
-            elif tgt.is_cpu != out.is_cpu or (not out.is_cpu and tgt.device != out.device):
+            elif tgt.device != out.device:
                 tgt = tgt.to(out.device)
             pairs.append((out, tgt))
         return pairs

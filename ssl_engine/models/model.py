@@ -14,6 +14,7 @@ Everything that can be checked without data (head input dims against the trunk, 
 layer names) is checked here, at build time, with a UserError naming the config key.
 """
 
+import contextlib
 import inspect
 import logging
 import os
@@ -247,17 +248,19 @@ class SSLModel(nn.Module):
         return self
 
     # ----------------------------------------------------------------- forward
+    def _frozen_trunk_no_grad(self) -> Any:
+        """no_grad for a frozen trunk run while gradients are on; otherwise a null context (a
+        grad-mode switch on every forward costs more than this check)."""
+        return torch.no_grad() if self.trunk_frozen and torch.is_grad_enabled() else contextlib.nullcontext()
+
     def _trunk_forward(self, batch: Batch, layers: Optional[List[str]]) -> List[torch.Tensor]:
         """Trunk outputs for ``layers``; a list of crops is grouped by resolution and concatenated.
 
         Multi-crop batches (e.g. SwAV's 2x224 + 6x96) run one trunk pass per run of equally sized
         crops, and the features are concatenated along the batch dim, as VISSL does.
         """
-        if isinstance(batch, torch.Tensor):  # one input tensor: the usual case
-            if self.trunk_frozen and torch.is_grad_enabled():
-                with torch.no_grad():
-                    return list(self.trunk(batch, layers))
-            return list(self.trunk(batch, layers))
+        if isinstance(batch, torch.Tensor):
+            chunks = [batch]
         else:
             crops = list(batch)
             if not crops or not all(isinstance(c, torch.Tensor) for c in crops):
@@ -267,10 +270,7 @@ class SSLModel(nn.Module):
                 if i == len(crops) or crops[i].shape[1:] != crops[start].shape[1:]:
                     chunks.append(crops[start] if i - start == 1 else torch.cat(crops[start:i]))
                     start = i
-        if self.trunk_frozen and torch.is_grad_enabled():
-            with torch.no_grad():
-                outs = [self.trunk(chunk, layers) for chunk in chunks]
-        else:
+        with self._frozen_trunk_no_grad():
             outs = [self.trunk(chunk, layers) for chunk in chunks]
         if len(outs) == 1:
             return list(outs[0])
@@ -278,10 +278,7 @@ class SSLModel(nn.Module):
 
     def _pooled_features(self, batch: Batch, flatten: bool) -> List[torch.Tensor]:
         feats = self._trunk_forward(batch, list(self.feat_layer_names))
-        if self.trunk_frozen and torch.is_grad_enabled():
-            with torch.no_grad():
-                feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
-        else:
+        with self._frozen_trunk_no_grad():
             feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
         if flatten:
             feats = [f.reshape(f.shape[0], -1) for f in feats]

@@ -9,7 +9,6 @@ import math
 import time
 from typing import Any, NamedTuple, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ssl_engine.errors import NonFiniteLossError

@@ -71,13 +71,12 @@ class FeatureTrunk(nn.Module):
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def _plan(self, asked: Tuple[str, ...]) -> Tuple[List[str], Set[str], int, bool]:
-        """(layer names, their blocks, index of the last block to run, whether the one layer
-        asked is that last block's output) for ``asked``, computed once per distinct request:
-        the forward of every step asks the same."""
+    def _plan(self, asked: Tuple[str, ...]) -> Tuple[List[str], Set[str], int]:
+        """(layer names, their blocks, index of the last block to run) for ``asked`` (computed
+        once per distinct request: the forward of every step asks the same)."""
         plans = self.__dict__.setdefault("_plans", {})
         plan = plans.get(asked)
-        if plan is None or len(plan) != 4:  # none yet, or one cached by an older layout (a pickled trunk)
+        if plan is None:
             keys = list(asked) if asked else [self.default_feature_name]
             unknown = [k for k in keys if k not in self._feature_to_block]
             if unknown:
@@ -87,20 +86,14 @@ class FeatureTrunk(nn.Module):
                     f"{type(self).__name__}; valid layers: {', '.join(valid)}"
                 )
             wanted_blocks = {self._feature_to_block[k] for k in keys}
-            last = max(self._block_index[b] for b in wanted_blocks)
-            plan = plans[asked] = (keys, wanted_blocks, last, len(keys) == 1)
+            plan = plans[asked] = (keys, wanted_blocks, max(self._block_index[b] for b in wanted_blocks))
         return plan
 
     def forward(self, x: torch.Tensor, out_feat_keys: Optional[List[str]] = None) -> List[torch.Tensor]:
         """The outputs of the named layers, in the order asked (default: the last layer)."""
-        keys, wanted_blocks, last, single = self._plan(tuple(out_feat_keys) if out_feat_keys else ())
-        out = self._prepare_input(x)
-        if single:  # one layer (the default): the output of the last block run, no dict of outputs
-            for i, block in enumerate(self._feature_blocks.values()):
-                out = block(out)
-                if i == last:
-                    return [out]
+        keys, wanted_blocks, last = self._plan(tuple(out_feat_keys) if out_feat_keys else ())
         outputs: Dict[str, torch.Tensor] = {}
+        out = self._prepare_input(x)
         for i, (name, block) in enumerate(self._feature_blocks.items()):
             out = block(out)
             if name in wanted_blocks:
@@ -108,6 +101,7 @@ class FeatureTrunk(nn.Module):
             if i == last:
                 break
         return [outputs[self._feature_to_block[k]] for k in keys]
+
 
 from ssl_engine.models.trunks import mlp, resnet  # noqa: E402,F401  (registers the trunks)
 from ssl_engine.models.trunks.mlp import MLPTrunk  # noqa: E402

@@ -283,7 +283,7 @@ def test_second_run_on_a_busy_folder_is_refused_and_ctrl_c_stops_cleanly(tmp_pat
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
-    assert first.returncode == 130, err[-4000:]
+    assert first.returncode == 130, f"stderr: {err[-3000:]}\nstdout: {out[-3000:]}"
     assert "interrupted" in err and "Traceback" not in err, err[-4000:]
     assert _group_is_gone(first.pid), "processes of the interrupted run are still alive"
     assert temp_files(run) == [] and not (run / LOCK_NAME).exists()

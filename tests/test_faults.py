@@ -258,7 +258,7 @@ def test_second_run_on_a_busy_folder_is_refused_and_ctrl_c_stops_cleanly(tmp_pat
     run = tmp_path / "run"
     marker = tmp_path / "training_started"
     first = subprocess.Popen(
-        [sys.executable, TOOL, *BASE, f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=200",
+        [sys.executable, TOOL, *BASE, f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=20000",
          "config.DATA.NUM_DATALOADER_WORKERS=2", f"config.USER_MODULES=[{module}]",
          f"config.HOOKS.CUSTOM=[{{name:SlowSteps,params:{{marker:{marker}}}}}]"],
         cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -272,7 +272,7 @@ def test_second_run_on_a_busy_folder_is_refused_and_ctrl_c_stops_cleanly(tmp_pat
         owner = json.loads((run / LOCK_NAME).read_text())
         assert owner["pid"] == first.pid and owner["host"] == socket.gethostname()
 
-        second = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=200"])
+        second = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=20000"])
         assert second.returncode == 2, second.stderr[-3000:]
         line = one_error_line(second)
         assert f"pid {first.pid} on host {socket.gethostname()}" in line and str(run / LOCK_NAME) in line, line

@@ -23,8 +23,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _uses_nccl(group: Optional[dist.ProcessGroup]) -> bool:
-    return dist.get_backend(group) == dist.Backend.NCCL
+def _uses_nccl(group: Optional[dist.ProcessGroup], tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s collective goes through NCCL.
+
+    A GPU rank's group is ``cuda:nccl,cpu:gloo`` (see distributed.init_process_group), whose
+    backend name is that whole string, so the name is searched, and the device decides.
+    """
+    return tensor.is_cuda and "nccl" in str(dist.get_backend(group))
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -39,7 +44,7 @@ class _GatherWithGrad(torch.autograd.Function):
         ctx.group = group
         ctx.rank = dist.get_rank(group)
         ctx.rows = tensor.shape[0]
-        if _uses_nccl(group):
+        if _uses_nccl(group, tensor):
             out = tensor.new_empty((world_size * tensor.shape[0],) + tuple(tensor.shape[1:]))
             dist.all_gather_into_tensor(out, tensor, group=group)
             return out
@@ -51,7 +56,7 @@ class _GatherWithGrad(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
         # Clone: the collective works in place and autograd may share grad_output.
         grad = grad_output.contiguous().clone()
-        if _uses_nccl(ctx.group):
+        if _uses_nccl(ctx.group, grad):
             out = grad.new_empty((ctx.rows,) + tuple(grad.shape[1:]))
             dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
             return out, None

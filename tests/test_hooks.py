@@ -706,14 +706,15 @@ def test_nan_in_the_model_output_stops_the_run(tiny_yaml: Path, tmp_path: Path) 
     assert names == ["model_iteration2.torch"]  # the last good checkpoint is the newest one
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["read-at-once", "read-one-step-late"])
+@pytest.mark.parametrize("deferred,device", [(False, "cpu"), (True, "cpu"), pytest.param(True, "gpu", marks=pytest.mark.gpu)],
+                         ids=["read-at-once", "read-one-step-late", "cuda-pinned-flag"])
 def test_check_nan_alone_stops_on_a_nan_loss_and_names_the_output(
-    tiny_yaml: Path, tmp_path: Path, deferred: bool
+    tiny_yaml: Path, tmp_path: Path, deferred: bool, device: str
 ) -> None:
     """HOOKS.CHECK_NAN without NaNCheckHook: the train step's loss check stops the run. Read one
     step late (what a GPU run does) it must still stop before a checkpoint of the bad state."""
     folder = tmp_path / "run"
-    cfg = make_cfg(tiny_yaml, folder, "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2")
+    cfg = make_cfg(tiny_yaml, folder, "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2", f"config.MACHINE.DEVICE={device}")
 
     def poison(task: Any) -> None:
         task.defer_loss_check = deferred

@@ -77,14 +77,25 @@ def check_finite_loss(task: Any, loss: torch.Tensor) -> None:
     reading it would stall the host on every step, so the flag is computed on the device and
     read one step later (:func:`confirm_finite_loss`, at the next step, at the end of the
     phase's data and before a checkpoint is written): the host runs at most one step ahead of
-    the check and a bad step's state is never checkpointed.
+    the check and a bad step's state is never checkpointed. On CUDA the flag is copied to
+    pinned host memory behind an event, so the later read waits for this step's loss only,
+    not for the kernels queued after it.
     """
     if loss.device.type == "cpu" and not getattr(task, "defer_loss_check", False):
         if not math.isfinite(loss.float().sum().item() if loss.ndim else loss.item()):
             _raise_non_finite(loss, _where(task), task.last_model_output, task.last_batch)
         return
     confirm_finite_loss(task)
-    task.pending_loss_check = (torch.isfinite(loss).all(), loss, _where(task), task.last_model_output, task.last_batch)
+    ok = torch.isfinite(loss).all()
+    ready = None
+    if ok.is_cuda:
+        host = getattr(task, "_finite_flag_host", None)
+        if host is None:  # one pinned flag: the previous step's was read just above
+            host = task._finite_flag_host = torch.ones((), dtype=torch.bool, pin_memory=True)
+        host.copy_(ok, non_blocking=True)
+        ok, ready = host, torch.cuda.Event()
+        ready.record()
+    task.pending_loss_check = (ok, ready, loss, _where(task), task.last_model_output, task.last_batch)
 
 
 def _where(task: Any) -> Tuple[int, int, str, int]:
@@ -97,7 +108,9 @@ def confirm_finite_loss(task: Any) -> None:
     if pending is None:
         return
     task.pending_loss_check = None
-    ok, loss, where, output, batch = pending
+    ok, ready, loss, where, output, batch = pending
+    if ready is not None:
+        ready.synchronize()  # the flag's copy is done (the kernels queued after it may still run)
     if not bool(ok):
         _raise_non_finite(loss, where, output, batch)
 

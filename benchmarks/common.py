@@ -322,10 +322,12 @@ def engine_logging(folder: str) -> Iterator[None]:
         root.setLevel(saved_level)
 
 
-def engine_train(cfg: Any, default_hooks: bool, folder: Optional[str] = None) -> Dict[str, Any]:
+def engine_train(cfg: Any, default_hooks: bool, folder: Optional[str] = None,
+                 extra_hooks: Sequence[Any] = ()) -> Dict[str, Any]:
     """Train ``cfg`` in this process with SelfSupervisionTrainer; the step clock's record and timings.
 
-    ``default_hooks=False`` is the engine with no hooks (only the step clock). Returns
+    ``default_hooks=False`` is the engine with no hooks (only the step clock and ``extra_hooks``,
+    which profilers use to look inside a run). Returns
     ``{"steps": [...], "seconds": wall time of construction + train(), "task": task}``.
     """
     from ssl_engine.hooks import default_hooks as build_default_hooks
@@ -339,7 +341,7 @@ def engine_train(cfg: Any, default_hooks: bool, folder: Optional[str] = None) ->
         with engine_logging(folder):
             torch.manual_seed(run_cfg.SEED_VALUE)
             t0 = time.perf_counter()
-            hooks = (build_default_hooks(run_cfg) if default_hooks else []) + [clock]
+            hooks = (build_default_hooks(run_cfg) if default_hooks else []) + list(extra_hooks) + [clock]
             trainer = SelfSupervisionTrainer(run_cfg, checkpoint_folder=folder, hooks=hooks)
             task = trainer.train()
             seconds = time.perf_counter() - t0

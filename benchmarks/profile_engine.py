@@ -5,6 +5,7 @@
     python benchmarks/profile_engine.py phases
     python benchmarks/profile_engine.py steps [--case tiny|overhead] [--hooks default|none]
     python benchmarks/profile_engine.py startup
+    python benchmarks/profile_engine.py gpu-syncs [--hooks default|none]
 
 - ``iteration``: one W-tiny engine run under cProfile; the functions with the most own time,
   in microseconds per iteration (cProfile inflates Python-heavy code, so read the ranking, not
@@ -20,6 +21,11 @@
   built-in parts, pre-launch checks, the rank's setup, the first iteration), the startup
   command under cProfile (cumulative time of the engine's functions) and the import time per
   top-level package.
+- ``gpu-syncs`` (CUDA): the W-resnet50-gpu engine run with torch's CUDA sync debug mode on
+  after the warm-up: every place a train step makes the CPU wait for the GPU (``.item()``,
+  ``.tolist()``, a device-to-host copy, ``torch.cuda.synchronize``), with its count per
+  iteration. A GPU loop is fastest when the CPU queues work ahead of the GPU; each sync per
+  step drains that queue. Then engine (both hook settings) and plain images/s, interleaved.
 """
 
 import argparse
@@ -297,9 +303,70 @@ def profile_startup(top: int, repeats: int = 3) -> None:
     print(f"events (s after launch): {timed['events']}")
 
 
+def gpu_syncs(hooks: str, iters: int = 40, warmup: int = 10) -> None:
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    from benchmarks import w_resnet50_gpu
+    from benchmarks.common import compose_config, engine_train
+    from ssl_engine.hooks import SSLHook
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu-syncs needs a CUDA GPU")
+    os.environ.setdefault("BENCH_GPU_ITERS", str(iters))
+    s = w_resnet50_gpu.settings()
+    sites: Dict[str, int] = collections.Counter()
+    counted = {"steps": 0}
+    data_wait: List[float] = []
+
+    class SyncCensus(SSLHook):
+        """Turns the sync debug mode on after the warm-up steps and off at the end."""
+
+        def on_step(self, task: Any) -> None:
+            if task.iteration == warmup:
+                torch.cuda.set_sync_debug_mode("warn")
+            elif task.iteration > warmup:
+                counted["steps"] += 1
+                data_wait.append(task.last_data_time)
+
+        def on_end(self, task: Any) -> None:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename]
+        where = " <- ".join(f"{short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
+        sites[where] += 1
+
+    old = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            out = engine_train(compose_config(w_resnet50_gpu.overrides(s)), default_hooks=hooks == "default",
+                               extra_hooks=[SyncCensus()])
+    finally:
+        warnings.showwarning = old
+        torch.cuda.set_sync_debug_mode(0)
+    n = max(counted["steps"], 1)
+    print(f"CUDA syncs in {counted['steps']} train iterations after {warmup} warm-up ({hooks} hooks), per iteration:")
+    for where, count in sorted(sites.items(), key=lambda kv: -kv[1]):
+        print(f"  {count / n:6.2f}  {where}")
+    if not sites:
+        print("  none")
+    from benchmarks.common import iteration_times, median
+
+    print(f"median iteration {1e3 * median(iteration_times(out['steps'], True, warmup=warmup)):.2f} ms, "
+          f"of which waiting for the loader {1e3 * median(data_wait):.2f} ms (debug mode on: syncs warn)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("iteration", "steps", "phases", "startup"))
+    parser.add_argument("what", choices=("iteration", "steps", "phases", "startup", "gpu-syncs"))
     parser.add_argument("--case", choices=("tiny", "overhead"), default="tiny")
     parser.add_argument("--hooks", choices=("default", "none"), default="default")
     parser.add_argument("--top", type=int, default=30)
@@ -315,6 +382,8 @@ def main() -> None:
         profile_steps(args.case, args.hooks)
     elif args.what == "phases":
         profile_phases()
+    elif args.what == "gpu-syncs":
+        gpu_syncs(args.hooks)
     else:
         profile_startup(args.top, args.repeats)
 

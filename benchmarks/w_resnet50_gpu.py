@@ -90,6 +90,7 @@ def run(repeats: int = 2, **_: Any) -> List[Row]:
     device = torch.device("cuda" if s["device"] == "gpu" else "cpu")
     amp_dtype = torch.float16 if device.type == "cuda" else None
     per: Dict[str, List[float]] = {"plain": [], "engine": []}
+    data_wait_ms: List[float] = []
     for r in range(repeats):
         for side in rotate(["plain", "engine"], r):
             torch.manual_seed(0)
@@ -103,7 +104,9 @@ def run(repeats: int = 2, **_: Any) -> List[Row]:
                 if it is not None and hasattr(it, "_shutdown_workers"):
                     it._shutdown_workers()
             else:
-                out = engine_train(cfg, default_hooks=True)
+                wait = DataWait(s["warmup"])
+                out = engine_train(cfg, default_hooks=True, extra_hooks=[wait])
+                data_wait_ms.append(1e3 * median(wait.seconds))
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -111,4 +114,23 @@ def run(repeats: int = 2, **_: Any) -> List[Row]:
     ratio = median([e / p for e, p in zip(per["engine"], per["plain"])])
     note = "CPU smoke run (BENCH_GPU_SMOKE=1): not a measurement" if s["smoke"] else torch.cuda.get_device_name(0)
     return [Row(WORKLOAD, f"images / s, batch {s['batch']}, {s['size']}px, AMP", median(per["engine"]), "img/s",
-                median(per["plain"]), ratio, "", "", note, extra={"per_repeat": per})]
+                median(per["plain"]), ratio, "", "", note, extra={"per_repeat": per, "engine_data_wait_ms": data_wait_ms})]
+
+
+class DataWait:
+    """Built on first use (see common.step_clock_class); records how long each train step
+    after the warm-up waited for its batch: a loader that cannot keep up shows here."""
+
+    def __new__(cls, warmup: int) -> Any:
+        from ssl_engine.hooks import SSLHook
+
+        class _DataWait(SSLHook):
+            def __init__(self) -> None:
+                super().__init__()
+                self.seconds: List[float] = []
+
+            def on_step(self, task: Any) -> None:
+                if task.train and task.iteration > warmup:
+                    self.seconds.append(task.last_data_time)
+
+        return _DataWait()

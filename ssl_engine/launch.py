@@ -158,6 +158,11 @@ def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid
             "LOCAL_WORLD_SIZE": str(nproc),
         }
     )
+    # A rank is its own process group, so SIGINT reaches it only from the launcher: its "stop"
+    # (a forwarded Ctrl-C, or another rank's failure). It must unwind the rank even when the
+    # job inherited SIGINT ignored, as a script's background job does; the launcher keeps that
+    # ignore for a Ctrl-C of its own (see Launcher.run).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _route_preemption_signals()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
     code = 0
@@ -235,6 +240,8 @@ class RankGroup:
             try:
                 self._start(init_method)
                 for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) if main_thread else ():
+                    if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                        continue  # started with Ctrl-C ignored (a background job): like a one-process run
                     forwarded[sig] = signal.signal(sig, forward)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -409,6 +409,47 @@ def test_rank_failure_ends_the_job(tmp_path: Path) -> None:
     assert [p.name for p in tmpdir.iterdir() if p.name.startswith("ssl_engine_")] == []
 
 
+WAITING = '''
+import os, time
+from pathlib import Path
+import torch.distributed as dist
+from ssl_engine.registry import TRAIN_STEPS
+from ssl_engine.train_steps.standard_train_step import standard_train_step
+
+@TRAIN_STEPS.register("fail_on_rank1_wait_on_rank0")
+def fail_on_rank1_wait_on_rank0(task):
+    if task.train and task.iteration == 2:
+        if dist.get_rank() == 1:
+            raise RuntimeError("deliberate failure on rank 1")
+        try:
+            while True:  # in Python: the launcher's SIGINT unwinds it
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            Path(os.environ["STOPPED_STAMP"]).write_text("interrupted")
+            raise
+    standard_train_step(task)
+'''
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_job_started_with_sigint_ignored_still_stops_its_ranks_cleanly(tmp_path: Path, method: str) -> None:
+    """A script's background job inherits SIGINT ignored. The launcher's stop (SIGINT to the
+    surviving ranks after a failure) must still unwind them, not wait for the SIGKILL."""
+    (tmp_path / "waiting.py").write_text(WAITING)
+    stamp = tmp_path / "stopped"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, TOOL, *SUPERVISED, *per_rank(2), f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+         f"config.USER_MODULES=[{tmp_path / 'waiting.py'}]", f"config.MULTI_PROCESSING_METHOD={method}",
+         "config.TRAINER.TRAIN_STEP_NAME=fail_on_rank1_wait_on_rank0"],
+        cwd=str(REPO), env=tool_env({"STOPPED_STAMP": str(stamp)}), capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert proc.returncode == 1 and "deliberate failure on rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert stamp.exists(), f"rank 0 was not unwound by SIGINT (killed after {time.monotonic() - start:.0f} s)"
+    assert [p.name for p in (tmp_path / "run").iterdir() if ".tmp." in p.name or p.name.endswith(".lock")] == []
+
+
 # ----------------------------------------------------------------------------- startup
 
 PID_PROBE = '''

@@ -253,6 +253,13 @@ def _group_is_gone(pgid: int, timeout: float = 20.0) -> bool:
     return False
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """A command typed in a terminal starts with SIGINT at its default. pytest itself may run
+    with SIGINT ignored (a shell script starts background jobs that way, and CI runners do),
+    and a child that inherits the ignore rightly lets Ctrl-C pass: reset it in the child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_second_run_on_a_busy_folder_is_refused_and_ctrl_c_stops_cleanly(tmp_path):
     module = write_module(tmp_path, "slow_steps", SLOW_STEPS)
     run = tmp_path / "run"
@@ -262,7 +269,7 @@ def test_second_run_on_a_busy_folder_is_refused_and_ctrl_c_stops_cleanly(tmp_pat
          "config.DATA.NUM_DATALOADER_WORKERS=2", f"config.USER_MODULES=[{module}]",
          f"config.HOOKS.CUSTOM=[{{name:SlowSteps,params:{{marker:{marker}}}}}]"],
         cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_sigint_as_in_a_terminal,
     )
     try:
         deadline = time.monotonic() + 240

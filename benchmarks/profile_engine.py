@@ -24,8 +24,10 @@
 - ``gpu-syncs`` (CUDA): the W-resnet50-gpu engine run with torch's CUDA sync debug mode on
   after the warm-up: every place a train step makes the CPU wait for the GPU (``.item()``,
   ``.tolist()``, a device-to-host copy, ``torch.cuda.synchronize``), with its count per
-  iteration. A GPU loop is fastest when the CPU queues work ahead of the GPU; each sync per
-  step drains that queue. Then engine (both hook settings) and plain images/s, interleaved.
+  iteration, then the run's median iteration time and loader wait. A GPU loop is fastest when
+  the CPU queues work ahead of the GPU; each sync per step drains that queue. Waits on a CUDA
+  event (``Event.synchronize``, as the loss check's read does) are not reported by torch's
+  sync debug mode, so they are not in the list.
 """
 
 import argparse

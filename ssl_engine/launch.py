@@ -39,6 +39,9 @@ _SPAWNED_ENV = "SSL_ENGINE_SPAWNED"  # set in ranks we start, so they never thin
 # Held back while ranks start (the mask is inherited), released once a rank routes them to its
 # preemption flag: a preemption signal in a rank's first seconds must not kill it.
 _PREEMPTION_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
+# SIGINT too: a rank may inherit it ignored until _child installs its handler, and a blocked
+# signal stays pending on Linux even then, so a stop sent while a rank starts is not lost.
+_HELD_WHILE_STARTING = _PREEMPTION_SIGNALS | {signal.SIGINT}
 
 
 def find_free_port() -> int:
@@ -164,7 +167,7 @@ def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid
     # ignore for a Ctrl-C of its own (see Launcher.run).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _route_preemption_signals()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_WHILE_STARTING)
     code = 0
     try:
         from ssl_engine.engines import run_engine
@@ -236,7 +239,7 @@ class RankGroup:
 
         main_thread = threading.current_thread() is threading.main_thread()
         try:
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_WHILE_STARTING)
             try:
                 self._start(init_method)
                 for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) if main_thread else ():

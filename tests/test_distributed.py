@@ -419,9 +419,13 @@ from ssl_engine.train_steps.standard_train_step import standard_train_step
 @TRAIN_STEPS.register("fail_on_rank1_wait_on_rank0")
 def fail_on_rank1_wait_on_rank0(task):
     if task.train and task.iteration == 2:
+        waiting = Path(os.environ["STOPPED_STAMP"] + ".waiting")
         if dist.get_rank() == 1:
+            while not waiting.exists():  # fail only once rank 0 is inside its wait
+                time.sleep(0.05)
             raise RuntimeError("deliberate failure on rank 1")
         try:
+            waiting.touch()
             while True:  # in Python: the launcher's SIGINT unwinds it
                 time.sleep(0.05)
         except KeyboardInterrupt:
@@ -448,6 +452,47 @@ def test_a_job_started_with_sigint_ignored_still_stops_its_ranks_cleanly(tmp_pat
     assert proc.returncode == 1 and "deliberate failure on rank 1" in proc.stderr, proc.stderr[-3000:]
     assert stamp.exists(), f"rank 0 was not unwound by SIGINT (killed after {time.monotonic() - start:.0f} s)"
     assert [p.name for p in (tmp_path / "run").iterdir() if ".tmp." in p.name or p.name.endswith(".lock")] == []
+
+
+SLOW_AND_MARKED = '''
+import os, time
+from pathlib import Path
+from ssl_engine.hooks.base import SSLHook
+from ssl_engine.registry import HOOKS
+
+@HOOKS.register("SlowAndMarked")
+class SlowAndMarked(SSLHook):
+    def on_step(self, task):
+        Path(os.environ["STARTED_STAMP"]).touch()
+        time.sleep(0.3)
+'''
+
+
+def test_a_job_started_with_sigint_ignored_keeps_ignoring_ctrl_c(tmp_path: Path) -> None:
+    """Like a one-process run (and every program), a launcher that inherited SIGINT ignored
+    leaves a Ctrl-C alone: the job trains to its end."""
+    (tmp_path / "slow.py").write_text(SLOW_AND_MARKED)
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        [sys.executable, TOOL, *SUPERVISED, *per_rank(2), f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+         f"config.USER_MODULES=[{tmp_path / 'slow.py'}]", "config.HOOKS.CUSTOM=[{name:SlowAndMarked}]",
+         "config.TEST_MODEL=false"],
+        cwd=str(REPO), env=tool_env({"STARTED_STAMP": str(started)}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), proc.communicate()[1][-3000:]
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert (tmp_path / "run" / "model_final_checkpoint_phase1.torch").exists()
 
 
 # ----------------------------------------------------------------------------- startup

@@ -103,6 +103,24 @@ def test_the_grad_scaler_skips_an_overflowing_step_and_lowers_the_scale(tmp_path
     assert all(torch.isfinite(p).all() for p in task.base_model.parameters())
 
 
+def test_the_deferred_loss_check_waits_for_its_own_loss_on_a_busy_gpu() -> None:
+    """The flag is read one step late from pinned memory: the read must wait for the copy
+    even when the GPU is still busy with earlier work (a tiny training model never is)."""
+    from types import SimpleNamespace
+
+    from ssl_engine.errors import NonFiniteLossError
+    from ssl_engine.train_steps.standard_train_step import check_finite_loss, confirm_finite_loss
+
+    task = SimpleNamespace(pending_loss_check=None, last_model_output=None, last_batch=None, iteration=5,
+                           phase_idx=0, phase_type="train", local_iteration_num=5)
+    check_finite_loss(task, torch.ones((), device="cuda"))
+    confirm_finite_loss(task)  # the pinned flag now holds True
+    torch.cuda._sleep(1_000_000_000)  # the GPU spins for a while before the NaN is computed
+    check_finite_loss(task, torch.zeros((), device="cuda") / torch.zeros((), device="cuda"))
+    with pytest.raises(NonFiniteLossError, match="the loss is nan at iteration 5"):
+        confirm_finite_loss(task)
+
+
 def test_a_gpu_checkpoint_resumes_on_the_cpu(tmp_path: Path) -> None:
     """Train on a GPU node, continue on a laptop: the checkpoint carries CUDA RNG and optimizer state."""
     folder = tmp_path / "run"
@@ -165,3 +183,8 @@ def test_two_gpu_ranks_train_over_nccl_through_the_tool(tmp_path: Path) -> None:
                   f"config.CHECKPOINT.DIR={folder}", "config.OPTIMIZER.num_epochs=1"]))
     last = _checkpoint(folder / "model_final_checkpoint_phase0.torch")
     assert last["world_size"] == 2 and last["iteration"] == 4  # 512 samples / (64 per rank x 2 ranks)
+    # SimCLR gathers every rank's embeddings (gather_with_grad) over NCCL
+    simclr = tmp_path / "simclr"
+    _ok(run_tool(["config=quick/simclr_digits", "config.MACHINE.DEVICE=gpu", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+                  "config.DATA.TRAIN.DATA_LIMIT=256", "config.OPTIMIZER.num_epochs=1", f"config.CHECKPOINT.DIR={simclr}"]))
+    assert all(r["train_loss"] == r["train_loss"] for r in _metrics(simclr) if "train_loss" in r)

@@ -92,9 +92,9 @@ def check_finite_loss(task: Any, loss: torch.Tensor) -> None:
         host = getattr(task, "_finite_flag_host", None)
         if host is None:  # one pinned flag: the previous step's was read just above
             host = task._finite_flag_host = torch.ones((), dtype=torch.bool, pin_memory=True)
-        host.copy_(ok, non_blocking=True)
+        host.copy_(ok, non_blocking=True)  # queued on the current stream of the loss's device
         ok, ready = host, torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(loss.device))
     task.pending_loss_check = (ok, ready, loss, _where(task), task.last_model_output, task.last_batch)
 
 

@@ -185,7 +185,15 @@ def _torch_save_to(f: Any, obj: Any, cancel: Optional[threading.Event]) -> None:
     if cancel is None:
         torch.save(obj, f)
         return
-    torch.save(obj, _AbandonableFile(f, cancel))
+    try:
+        torch.save(obj, _AbandonableFile(f, cancel))
+    except Exception as e:
+        # torch's writer may report a refused write as an error of its own, with ours only as
+        # its __context__, which a later raise from an except block (a wait interrupted by
+        # Ctrl-C, say) overwrites: name the abandonment in the exception itself
+        if cancel.is_set() and not isinstance(e, WriteAbandoned):
+            raise WriteAbandoned("checkpoint write abandoned") from e
+        raise
     if cancel.is_set():  # before the fsync and the rename: the temporary file is removed
         raise WriteAbandoned("checkpoint write abandoned")
 

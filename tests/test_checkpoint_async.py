@@ -187,14 +187,42 @@ def test_snapshot_of_cuda_tensors_is_taken_before_later_kernels_change_them():
 # errors of the writer
 
 
-def full_disk(obj: Any, f: Any) -> None:
-    f.write(b"x" * 1000)
+class _TempFile:
+    """The checkpoint's temporary file, with ``on_write`` run before each write."""
+
+    def __init__(self, f: Any, on_write: Any) -> None:
+        self._f, self._on_write = f, on_write
+
+    def write(self, data: Any) -> int:
+        self._on_write()
+        return self._f.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> "_TempFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+
+def patch_temp_files(monkeypatch: Any, on_write: Any) -> None:
+    """Route the writes of every checkpoint temporary file through ``on_write``."""
+    def fake_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = open(file, mode, *args, **kwargs)
+        return _TempFile(f, on_write) if ".tmp." in os.path.basename(str(file)) and "w" in mode else f
+
+    monkeypatch.setattr(ck, "open", fake_open, raising=False)
+
+
+def disk_full() -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_a_failed_background_write_stops_the_next_save_with_the_user_error(tmp_path, monkeypatch):
     ck.save_checkpoint(tmp_path, "model_iteration2.torch", small_ckpt(2))
-    monkeypatch.setattr(torch, "save", full_disk)
+    patch_temp_files(monkeypatch, disk_full)
     ck.save_checkpoint_async(tmp_path, "model_iteration4.torch", small_ckpt(4))  # returns: the error comes later
     with pytest.raises(CheckpointError) as err:
         ck.save_checkpoint_async(tmp_path, "model_iteration6.torch", small_ckpt(6))
@@ -211,7 +239,7 @@ def test_a_failed_background_write_is_raised_by_the_wait_at_the_end_of_the_run(c
     c = cfg()
     hook = CheckpointHook()
     task = trainer_for(c, [hook]).setup()
-    monkeypatch.setattr(torch, "save", full_disk)
+    patch_temp_files(monkeypatch, disk_full)
     write_checkpoint(task, "model_phase0.torch", "phase")
     with pytest.raises(CheckpointError) as err:
         hook.on_end(task)
@@ -224,15 +252,12 @@ def test_a_failed_background_write_is_raised_by_the_wait_at_the_end_of_the_run(c
 def test_a_second_ctrl_c_abandons_the_write_in_flight(tmp_path, monkeypatch, caplog):
     ck.save_checkpoint(tmp_path, "model_iteration2.torch", small_ckpt(2))
     started, gate = threading.Event(), threading.Event()
-    real_save = torch.save
 
-    def slow_save(obj: Any, f: Any) -> None:
-        f.write(b"PK partial")
+    def slow_write() -> None:
         started.set()
         gate.wait(60)
-        real_save(obj, f)  # its writes are refused once the write is abandoned
 
-    monkeypatch.setattr(torch, "save", slow_save)
+    patch_temp_files(monkeypatch, slow_write)
     ck.save_checkpoint_async(tmp_path, "model_iteration4.torch", small_ckpt(4))
     assert started.wait(60)
 

@@ -104,7 +104,7 @@ def run(repeats: int = 2, **_: Any) -> List[Row]:
                 if it is not None and hasattr(it, "_shutdown_workers"):
                     it._shutdown_workers()
             else:
-                wait = DataWait(s["warmup"])
+                wait = data_wait_hook(s["warmup"])
                 out = engine_train(cfg, default_hooks=True, extra_hooks=[wait])
                 data_wait_ms.append(1e3 * median(wait.seconds))
             if device.type == "cuda":
@@ -117,20 +117,19 @@ def run(repeats: int = 2, **_: Any) -> List[Row]:
                 median(per["plain"]), ratio, "", "", note, extra={"per_repeat": per, "engine_data_wait_ms": data_wait_ms})]
 
 
-class DataWait:
-    """Built on first use (see common.step_clock_class); records how long each train step
-    after the warm-up waited for its batch: a loader that cannot keep up shows here."""
+def data_wait_hook(warmup: int) -> Any:
+    """A hook recording how long each train step after the warm-up waited for its batch
+    (``.seconds``): a loader that cannot keep up shows here. Built on call, so that importing
+    this module (as loader workers do) does not import the engine's hooks."""
+    from ssl_engine.hooks import SSLHook
 
-    def __new__(cls, warmup: int) -> Any:
-        from ssl_engine.hooks import SSLHook
+    class DataWait(SSLHook):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds: List[float] = []
 
-        class _DataWait(SSLHook):
-            def __init__(self) -> None:
-                super().__init__()
-                self.seconds: List[float] = []
+        def on_step(self, task: Any) -> None:
+            if task.train and task.iteration > warmup:
+                self.seconds.append(task.last_data_time)
 
-            def on_step(self, task: Any) -> None:
-                if task.train and task.iteration > warmup:
-                    self.seconds.append(task.last_data_time)
-
-        return _DataWait()
+    return DataWait()

@@ -10,7 +10,8 @@ Samples are drawn from a pool of 256 random 224x224 images (``bench_generated`` 
 side), so both sides pay the same host-side collation and host-to-device copies.
 
 Figure: batch size / median iteration time (after 10 warm-up iterations), images/s; ratio is
-engine / plain throughput. ``BENCH_GPU_SMOKE=1`` runs the same code on the CPU at 64x64, batch
+engine / plain throughput. ``BENCH_GPU_AMP=0`` runs both sides in float32 (no autocast, no
+GradScaler, whose per-step overflow read is then gone too). ``BENCH_GPU_SMOKE=1`` runs the same code on the CPU at 64x64, batch
 4, for 8 iterations, to check the code path on a machine without a GPU (figures meaningless).
 """
 
@@ -39,9 +40,10 @@ WORKLOAD = "W-resnet50-gpu"
 def settings() -> Dict[str, Any]:
     smoke = os.environ.get("BENCH_GPU_SMOKE", "") not in ("", "0")
     if smoke:
-        return {"smoke": True, "device": "cpu", "size": 64, "batch": 4, "iters": 8,
+        return {"smoke": True, "device": "cpu", "amp": False, "size": 64, "batch": 4, "iters": 8,
                 "workers": int(os.environ.get("BENCH_GPU_WORKERS", 0)), "warmup": 2}
-    return {"smoke": False, "device": "gpu", "size": 224, "batch": int(os.environ.get("BENCH_GPU_BATCH", 128)),
+    return {"smoke": False, "device": "gpu", "amp": os.environ.get("BENCH_GPU_AMP", "1") not in ("", "0"),
+            "size": 224, "batch": int(os.environ.get("BENCH_GPU_BATCH", 128)),
             "iters": int(os.environ.get("BENCH_GPU_ITERS", 60)), "workers": int(os.environ.get("BENCH_GPU_WORKERS", 8)),
             "warmup": 10}
 
@@ -61,7 +63,7 @@ def overrides(s: Dict[str, Any]) -> List[str]:
         "config.MODEL.TRUNK.NAME=resnet",
         "config.MODEL.TRUNK.RESNETS.DEPTH=50",
         "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[2048,1000]}]]",
-        f"config.MODEL.AMP_PARAMS.USE_AMP={str(s['device'] == 'gpu').lower()}",
+        f"config.MODEL.AMP_PARAMS.USE_AMP={str(s['device'] == 'gpu' and s['amp']).lower()}",
         "config.LOSS.name=cross_entropy_multiple_output_single_target",
     ] + sgd_overrides(momentum=0.9)
 
@@ -88,7 +90,7 @@ def run(repeats: int = 2, **_: Any) -> List[Row]:
 
     cfg = compose_config(overrides(s))
     device = torch.device("cuda" if s["device"] == "gpu" else "cpu")
-    amp_dtype = torch.float16 if device.type == "cuda" else None
+    amp_dtype = torch.float16 if device.type == "cuda" and s["amp"] else None
     per: Dict[str, List[float]] = {"plain": [], "engine": []}
     data_wait_ms: List[float] = []
     for r in range(repeats):
@@ -113,7 +115,8 @@ def run(repeats: int = 2, **_: Any) -> List[Row]:
             per[side].append(s["batch"] / median(iteration_times(out["steps"], True, warmup=s["warmup"])))
     ratio = median([e / p for e, p in zip(per["engine"], per["plain"])])
     note = "CPU smoke run (BENCH_GPU_SMOKE=1): not a measurement" if s["smoke"] else torch.cuda.get_device_name(0)
-    return [Row(WORKLOAD, f"images / s, batch {s['batch']}, {s['size']}px, AMP", median(per["engine"]), "img/s",
+    precision = "AMP" if amp_dtype is not None else "float32"
+    return [Row(WORKLOAD, f"images / s, batch {s['batch']}, {s['size']}px, {precision}", median(per["engine"]), "img/s",
                 median(per["plain"]), ratio, "", "", note, extra={"per_repeat": per, "engine_data_wait_ms": data_wait_ms})]
 
 

@@ -93,6 +93,7 @@ class SelfSupervisionTask(ClassyTask):
         self.last_loss: Optional[torch.Tensor] = None
         self.last_num_samples: Optional[int] = None  # real (not padded) samples of the last batch
         self.pending_loss_check: Any = None  # the device-side finite-loss flag not read yet (train step)
+        self._finite_flag_host: Optional[torch.Tensor] = None  # pinned copy of that flag on CUDA (train step)
         self.last_data_time = 0.0
         self.stop_requested = False
         self._hook_calls: Dict[str, List[Callable]] = {ev: [] for ev in EVENTS}

@@ -251,6 +251,38 @@ def test_accuracy_list_meter_index_names_and_tensor_output():
         METERS.get("accuracy_list_meter").from_config(AttrDict({"num_meters": 2, "meter_names": ["a"]}))
 
 
+@pytest.mark.parametrize("topk", [(1,), (1, 3)])
+def test_accuracy_counts_kept_on_the_device_equal_classys_meter(monkeypatch, topk):
+    """The per-batch counts wait in a list and are folded in when read or every FOLD_EVERY
+    batches: the value, the synced value and the saved state equal classy_vision's meter for
+    class-index targets of shape [B] and [B, 1] and one-hot targets."""
+    from classy_vision.meters import AccuracyMeter
+
+    from ssl_engine.meters.topk_list_meter import DeviceAccuracyMeter
+
+    monkeypatch.setattr(DeviceAccuracyMeter, "FOLD_EVERY", 4)
+    torch.manual_seed(3)
+    ours, classy = DeviceAccuracyMeter(topk=list(topk)), AccuracyMeter(topk=list(topk))
+    for i in range(11):  # crosses two folds
+        out = torch.randn(6, 5)
+        labels = torch.randint(0, 5, (6,))
+        target = [labels, labels.reshape(-1, 1), F.one_hot(labels, 5)][i % 3]
+        ours.update(out, target)
+        classy.update(out, target)
+        if i == 5:
+            ours.sync_state()
+            classy.sync_state()
+    assert len(ours._pending) == 1  # folded at 4 and by the sync after 6, then at 4 of the last 5
+    assert ours.value == pytest.approx(classy.value)
+    assert ours._pending == [] and ours._uncounted == 0
+    state, theirs = ours.get_classy_state(), classy.get_classy_state()
+    for key in ("total_correct_predictions", "total_sample_count", "curr_correct_predictions_k", "curr_sample_count"):
+        assert state[key].dtype == theirs[key].dtype and torch.equal(state[key], theirs[key]), key
+    ours.update(torch.randn(6, 5), torch.randint(0, 5, (6,)))
+    ours.set_classy_state(theirs)  # a restored state drops what was pending
+    assert ours.value == pytest.approx(classy.value)
+
+
 def test_precision_recall_list_meters():
     cfg = AttrDict({
         "names": ["precision_at_k_list_meter", "recall_at_k_list_meter"],

@@ -26,31 +26,47 @@ class DeviceAccuracyMeter(AccuracyMeter):
     """classy_vision's AccuracyMeter with its counts kept on the outputs' device.
 
     classy's ``update`` reads each top-k count back to the host (``.item()``), one device sync
-    per k per step; here an update is a few queued device ops and the counts are read only
-    when ``value`` or the state is asked for (at phase end, when logging, when checkpointing).
-    The state has classy's layout (float32 CPU tensors), so the two are interchangeable in a
-    checkpoint.
+    per k per step. Here an update computes the batch's correct counts on the device and keeps
+    them in a list; they are summed into the counts in one op only when ``value`` or the state
+    is asked for (at phase end, when logging, when checkpointing), or every ``FOLD_EVERY``
+    updates. The state has classy's layout (float32 CPU tensors), so the two are
+    interchangeable in a checkpoint.
     """
 
+    FOLD_EVERY = 1024
+
     def update(self, model_output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> None:
-        k_max = max(self._topk)
-        multi_label = target.ndim == 2 and target.shape[1] == model_output.shape[1]  # one-hot / multi-label rows
-        if k_max == 1 and not multi_label:  # plain top-1: no sort needed
-            correct = (model_output.argmax(dim=1) == (target if target.ndim == 1 else target.reshape(-1))).sum()
+        if self._top1 and target.ndim == 1:  # plain top-1 of class indices: no sort needed
+            correct = (model_output.argmax(dim=1) == target).sum()
         else:
-            _, pred = model_output.float().topk(k_max, dim=1, largest=True, sorted=True)
-            if multi_label:
-                hits = torch.gather(target, dim=1, index=pred) > 0
-            else:  # class indices, [B] or [B, 1]
-                hits = pred == target.reshape(-1, 1)
-            # correct@k = some hit among the first k predictions
-            correct = torch.stack([hits[:, :k].any(dim=1).sum() for k in self._topk])
-        if self._curr_correct_predictions_k.device != correct.device:
-            self._to(correct.device)
-        self._curr_correct_predictions_k += correct
+            correct = self._topk_correct(model_output, target)
+        self._pending.append(correct)
         self._uncounted += model_output.shape[0]  # a host int, added to the count tensor when read
+        if len(self._pending) >= self.FOLD_EVERY:
+            self._count_samples()
+
+    def _topk_correct(self, model_output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The batch's correct count for each k of ``topk`` (one-hot / multi-label rows, or class
+        indices of shape [B] or [B, 1])."""
+        multi_label = target.ndim == 2 and target.shape[1] == model_output.shape[1]
+        if self._top1 and not multi_label:
+            return (model_output.argmax(dim=1) == target.reshape(-1)).sum()
+        _, pred = model_output.float().topk(max(self._topk), dim=1, largest=True, sorted=True)
+        if multi_label:
+            hits = torch.gather(target, dim=1, index=pred) > 0
+        else:
+            hits = pred == target.reshape(-1, 1)
+        # correct@k = some hit among the first k predictions
+        return torch.stack([hits[:, :k].any(dim=1).sum() for k in self._topk])
 
     def _count_samples(self) -> None:
+        """Fold the pending per-batch counts into classy's count tensors."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            correct = torch.stack([c.reshape(-1) for c in pending]).sum(dim=0)
+            if self._curr_correct_predictions_k.device != correct.device:
+                self._to(correct.device)
+            self._curr_correct_predictions_k += correct
         if self._uncounted:
             self._curr_sample_count += self._uncounted
             self._uncounted = 0
@@ -76,6 +92,8 @@ class DeviceAccuracyMeter(AccuracyMeter):
 
     def reset(self) -> None:
         current = getattr(self, "_curr_sample_count", None)  # None while classy's __init__ runs
+        self._top1 = list(self._topk) == [1]
+        self._pending: List[torch.Tensor] = []
         self._uncounted = 0
         super().reset()
         if isinstance(current, torch.Tensor) and current.device.type != "cpu":

@@ -10,10 +10,11 @@ holds for user errors raised later in a rank or a dataloader worker: the launche
 pass them up and the original message is printed. A non-finite loss stops the run with one
 line and exit code 1; Ctrl-C with exit code 130.
 
-Startup: torch is imported only once the config has composed (config mistakes are reported in
-about a second); a one-process run trains in this process (ssl_engine.launch); where loader
-workers or ranks will come from a forkserver, it is started right after composing so that
-its imports overlap this process's own.
+Startup: the tool's process forks a child that composes the config while the process itself
+imports torch, and a config mistake is reported as soon as composing fails (about a second);
+a library call composes first and imports torch only after. A one-process run trains in this
+process (ssl_engine.launch); where loader workers or ranks will come from a forkserver, it is
+started as soon as the config has composed so that its imports overlap this process's own.
 """
 
 import logging
@@ -91,21 +92,34 @@ def start_forkserver_early(cfg) -> None:
         log.debug("could not start the forkserver early: %s", e)
 
 
-def prepare_config(overrides: List[str]):
+def prepare_config(overrides: List[str], tool_process: bool = False):
     """Compose, import user modules, and check names and paths: the cheap checks, which need no
-    model or data. torch is imported only once the config has composed."""
-    from ssl_engine.config import compose
+    model or data.
+
+    In a library call torch is imported only once the config has composed. In the tool's own
+    process (``tool_process``) a forked child composes the config while this process imports
+    torch (ssl_engine.config.forked_compose), and a config mistake still ends the process with
+    its one-line error as soon as composing fails.
+    """
+    from ssl_engine.config import forked_compose
     from ssl_engine.logger import setup_logging
 
     setup_logging(0, None)
-    cfg = compose(overrides)
-    start_forkserver_early(cfg)
+    pending = forked_compose.start(overrides, on_config=start_forkserver_early, exit_on_user_error=True) \
+        if tool_process else None
+    if pending is None:
+        from ssl_engine.config import compose
+
+        cfg = compose(overrides)
+        start_forkserver_early(cfg)
 
     from ssl_engine.config.validate import check_data_paths, check_registered_names
     from ssl_engine.engines.run import load_builtin_parts
     from ssl_engine.user_modules import import_user_modules
 
-    load_builtin_parts()
+    load_builtin_parts()  # imports torch
+    if pending is not None:
+        cfg = pending.result()
     import_user_modules(cfg.USER_MODULES)
     check_registered_names(cfg)
     check_data_paths(cfg)
@@ -138,10 +152,14 @@ def check_before_launch(cfg, node_id: int = 0) -> None:
     check_parts_build(cfg, world_size_of(cfg))
 
 
-def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int]) -> int:
+def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool = False) -> int:
     """A command line tool's frame: parse ``config=... key=value`` arguments, compose and check
     the config, run ``body(cfg, node_id)``, and turn user errors into one line and exit code 2
-    (a non-finite loss: exit 1; Ctrl-C: 130). ``--debug`` or SSL_ENGINE_DEBUG=1 keeps tracebacks."""
+    (a non-finite loss: exit 1; Ctrl-C: 130). ``--debug`` or SSL_ENGINE_DEBUG=1 keeps tracebacks.
+
+    ``tool_process``: this process is the command's own, started to run it and end (the tools'
+    ``__main__``), not a caller that goes on afterwards: composing may then overlap importing
+    torch, and a config mistake may end the process directly (see prepare_config)."""
     from ssl_engine import preemption
 
     preemption.install()  # a preemption signal during startup is kept for the first step, not fatal
@@ -151,7 +169,7 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int]) -> i
     try:
         overrides, node_id, flag = _split_args(argv)
         debug = debug or flag
-        cfg = prepare_config(overrides)
+        cfg = prepare_config(overrides, tool_process=tool_process and not debug)
         return body(cfg, node_id)
     except UserError as e:
         if debug:
@@ -175,6 +193,7 @@ def _launch(cfg: Any, node_id: int) -> int:
     return launch(cfg, node_id=node_id)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """tools/run_distributed_engines.py: compose, check, launch the configured engine."""
-    return run_command(argv, _launch)
+def main(argv: Optional[List[str]] = None, tool_process: bool = False) -> int:
+    """tools/run_distributed_engines.py: compose, check, launch the configured engine
+    (``tool_process``: see run_command)."""
+    return run_command(argv, _launch, tool_process=tool_process)

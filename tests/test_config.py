@@ -295,6 +295,97 @@ def test_composing_and_config_errors_never_import_torch():
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown config key config.OPTIMIZER.num_epoch")
 
 
+def _run_without_torch(code: str) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=str(Path(__file__).resolve().parents[1]),
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_forked_compose_gives_the_same_config_and_its_callback_runs_before_the_result():
+    """The tool's process composes in a forked child while it imports torch: the config that
+    comes back equals an in-process compose, the callback (the CLI starts the forkserver there)
+    gets it from the watcher thread, and the child is reaped."""
+    proc = _run_without_torch("""
+        import os, threading
+        from ssl_engine.config import compose, forked_compose
+        overrides = ['config=quick/simclr_synthetic', 'config.OPTIMIZER.num_epochs=3']
+        seen = []
+        pending = forked_compose.start(overrides, on_config=lambda c: seen.append((c, threading.current_thread().name)))
+        assert pending is not None, 'no child was forked'
+        child = pending._pid
+        import torch  # what the parent does meanwhile
+        cfg = pending.result()
+        assert cfg == compose(overrides) and cfg.OPTIMIZER.num_epochs == 3
+        assert type(cfg).__name__ == 'AttrDict' and cfg.OPTIMIZER.num_epochs == cfg['OPTIMIZER']['num_epochs']
+        assert len(seen) == 1 and seen[0][0] == cfg and seen[0][1] == 'ssl_engine-compose', seen
+        try:
+            os.waitpid(child, os.WNOHANG)
+            raise AssertionError('the compose child was not reaped')
+        except ChildProcessError:
+            pass
+        assert forked_compose.start(overrides) is None, 'torch is imported: nothing to overlap, no child'
+        print('ok')
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_forked_compose_reports_config_errors_and_recomposes_what_the_child_could_not():
+    proc = _run_without_torch("""
+        import os
+        from ssl_engine.config import forked_compose
+        from ssl_engine.errors import UserError
+        bad = ['config=quick/simclr_synthetic', 'config.OPTIMIZER.num_epoch=1']
+        pending = forked_compose.start(bad, on_config=lambda c: print('callback ran'))
+        try:
+            pending.result()
+            raise AssertionError('no error')
+        except UserError as e:
+            assert str(e).startswith('unknown config key config.OPTIMIZER.num_epoch'), e
+        # a child that dies before answering (here: its compose is a bug) leaves the work to the
+        # parent, which composes itself and so shows the real error, or the config
+        parent = os.getpid()
+        real = forked_compose._compose
+        def compose_failing_in_the_child(overrides):
+            if os.getpid() != parent:
+                raise RuntimeError('child failed')
+            return real(overrides)
+        forked_compose._compose = compose_failing_in_the_child
+        calls = []
+        cfg = forked_compose.start(['config=quick/simclr_synthetic'], on_config=calls.append).result()
+        assert cfg.OPTIMIZER.name == 'sgd' and calls == [cfg]
+        print('ok')
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines() == ["ok"], (proc.stdout, proc.stderr[-2000:])
+
+
+def test_the_tool_reports_a_config_mistake_without_waiting_for_torch(tmp_path):
+    """Through the tool (composing in a child while the process imports torch), a config
+    mistake is one line and exit code 2, and the process ends from the watcher thread as soon
+    as the child reports it (os._exit: no atexit handler runs), not once torch has imported."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent(f"""
+        import atexit, os, sys
+        sys.path.insert(0, {str(repo)!r})
+        sys.argv = ['run_distributed_engines.py', 'config=quick/simclr_synthetic', 'config.OPTIMIZER.num_epoch=1',
+                    'config.CHECKPOINT.DIR={tmp_path / "run"}']
+        atexit.register(lambda: print('normal interpreter exit', file=sys.stderr))
+        from ssl_engine.cli import main
+        sys.exit(main(sys.argv[1:], tool_process=True))
+    """))
+    proc = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["error: unknown config key config.OPTIMIZER.num_epoch (closest: config.OPTIMIZER.num_epochs); "
+                     "to add a key of your own use +config.OPTIMIZER.num_epoch=..."], proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_vissl_config_shapes_read_as_vissl_does(tmp_path, caplog):
     path = write_yaml(tmp_path, "vissl_shapes.yaml", """\
         # @package _global_

@@ -79,11 +79,11 @@ def run(cfg: Any, node_id: int) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, tool_process: bool = False) -> int:
     from ssl_engine.cli import run_command
 
-    return run_command(argv, run)
+    return run_command(argv, run, tool_process=tool_process)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(tool_process=True))

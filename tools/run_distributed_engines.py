@@ -13,4 +13,4 @@ import sys
 from ssl_engine.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], tool_process=True))

@@ -206,6 +206,8 @@ def profile_phases() -> None:
 
 # Runs the tool's steps (ssl_engine.cli.main, unrolled) in a fresh interpreter with a clock
 # between them; torch and torchvision are imported on their own so that their share shows.
+# The tool itself composes in a forked child while it imports torch (forked_compose); here the
+# stages run one after another, so that each one's own cost shows.
 _STAGES_DRIVER = r"""
 import json, os, sys, time
 T0 = float(sys.argv[1])
@@ -276,7 +278,8 @@ def startup_stages(repeats: int) -> None:
             if not line:
                 raise RuntimeError(f"the stages run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             runs.append(json.loads(line[0][len("STAGES "):]))
-    print(f"startup stages, median of {repeats} run(s): seconds of wall / of CPU (this process, all threads)")
+    print(f"startup stages, median of {repeats} run(s): seconds of wall / of CPU (this process, all threads);\n"
+          f"one after another here (the tool composes in a forked child while it imports torch)")
     prev_w = prev_c = [0.0] * repeats
     for i, (name, _, _) in enumerate(runs[0]):
         w = [r[i][1] - p for r, p in zip(runs, prev_w)]

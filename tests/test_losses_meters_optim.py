@@ -158,6 +158,16 @@ def test_cross_entropy_loss_default_name():
         loss([out, out], target)
 
 
+@pytest.mark.parametrize("name", ["CrossEntropyLoss", "cross_entropy_multiple_output_single_target"])
+def test_class_losses_say_where_labels_come_from_when_a_batch_has_none(name):
+    """A batch without labels (no LABEL_SOURCES: its "label" entry is an empty list) is a
+    UserError naming the config key, not a ValueError from inside the loss."""
+    loss = build_loss(AttrDict({"name": name, name: {}}))
+    assert loss.needs_labels
+    with pytest.raises(UserError, match=r"LABEL_SOURCES"):
+        loss([torch.randn(4, 3)], [])
+
+
 def test_unknown_loss_is_user_error():
     with pytest.raises(UserError, match="simclr_info_nce_loss"):
         build_loss(AttrDict({"name": "simclr_info_nce"}))

@@ -532,6 +532,30 @@ def _checked(what: str, build: Any, *args: Any, **kwargs: Any) -> Any:
         return None
 
 
+def check_labels_given(cfg: AttrDict, splits: List[str], loss: Any, meters: List[Any]) -> None:
+    """A loss or meter that scores class labels (``needs_labels``) needs every split it runs on to
+    give them: a split with no LABEL_SOURCES and LABEL_TYPE standard gives batches without labels.
+    The loss runs in train and test phases, meters in test phases (and in train phases with
+    METERS.enable_training_meter)."""
+    for split in splits:
+        d = cfg.DATA[split]
+        if d.LABEL_SOURCES or str(d.get("LABEL_TYPE", "standard")) != "standard":
+            continue
+        users = []
+        if getattr(loss, "needs_labels", False):
+            users.append(f"config.LOSS.name={cfg.LOSS.name}")
+        if split == "TEST" or cfg.METERS.enable_training_meter:
+            users += [f"the meter {m.name}" for m in meters if getattr(m, "needs_labels", False)]
+        if users:
+            raise ConfigError(
+                f"{' and '.join(users)} score{'s' if len(users) == 1 else ''} class labels, but "
+                f"config.DATA.{split}.LABEL_SOURCES is empty, so the {split.lower()} batches have none: "
+                f"name where they come from (e.g. LABEL_SOURCES: [disk_folder] for class folders, as many "
+                f"entries as DATA_SOURCES), or set config.DATA.{split}.LABEL_TYPE=sample_index or zero"
+                f"{'' if split == 'TEST' else ', or use a loss and meters that need none'}"
+            )
+
+
 def check_custom_hooks(cfg: AttrDict) -> None:
     """HOOKS.CUSTOM params fit their hook's constructor (checked by signature, nothing is built)."""
     import inspect
@@ -599,8 +623,10 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
             )
     with torch.device("meta"):
         model = _checked("the model", build_model, build_cfg.MODEL, build_cfg.OPTIMIZER)
-        _checked("the loss", build_loss, build_cfg.LOSS)
-    _checked("the meters", build_meters, build_cfg.METERS)
+        loss = _checked("the loss", build_loss, build_cfg.LOSS)
+    meters = _checked("the meters", build_meters, build_cfg.METERS)
+    if cfg.engine_name == "train":
+        check_labels_given(build_cfg, splits, loss, meters or [])
     if model is None:
         return
     weights = build_cfg.MODEL.WEIGHTS_INIT

@@ -36,6 +36,11 @@ def as_class_target(target: Target) -> torch.Tensor:
     """Integer class labels of shape (B,) from a tensor, a (B, 1) tensor or a one-item list."""
     if not isinstance(target, torch.Tensor):
         items = list(target)
+        if not items:
+            raise UserError(
+                "the loss scores class labels but the batch has none: set config.DATA.<split>.LABEL_SOURCES "
+                "(e.g. [disk_folder] for class folders) or use a loss that needs no labels"
+            )
         if len(items) != 1:
             raise ValueError(f"expected one target tensor, got a list of {len(items)}")
         target = items[0]
@@ -66,6 +71,7 @@ class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
     """
 
     CONFIG_KEY = "config.LOSS.cross_entropy_multiple_output_single_target"
+    needs_labels = True  # scores class labels: the data must give them (checked before launch)
 
     def __init__(
         self,
@@ -122,6 +128,7 @@ class CrossEntropyLoss(ClassyLoss):
     """Cross-entropy of a single head output (VISSL's default ``LOSS.name``)."""
 
     CONFIG_KEY = "config.LOSS.CrossEntropyLoss"
+    needs_labels = True
 
     def __init__(self, ignore_index: int = -1) -> None:
         super().__init__()

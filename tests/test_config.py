@@ -386,6 +386,44 @@ def test_the_tool_reports_a_config_mistake_without_waiting_for_torch(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_vissl_older_hook_keys_are_read_at_their_016_place(tmp_path, caplog):
+    """VISSL's older layout kept the perf-stats, TensorBoard and model-complexity options at the
+    top level (and under MODEL); they are read under HOOKS, one warning each, and the hooks see
+    them. A typo there is still an unknown key."""
+    path = write_yaml(tmp_path, "older.yaml", """\
+        # @package _global_
+        config:
+          MONITOR_PERF_STATS: True
+          PERF_STAT_FREQUENCY: 40
+          ROLLING_BTIME_FREQ: 313
+          TENSORBOARD_SETUP:
+            USE_TENSORBOARD: True
+            FLUSH_EVERY_N_MIN: 2
+          MODEL:
+            MODEL_COMPLEXITY:
+              COMPUTE_COMPLEXITY: True
+              INPUT_SHAPE: [3, 32, 32]
+        """)
+    with caplog.at_level(logging.WARNING):
+        cfg = compose([f"config={path}"])
+    defaults = compose([])
+    perf = cfg.HOOKS.PERF_STATS
+    assert (perf.MONITOR_PERF_STATS, perf.PERF_STAT_FREQUENCY, perf.ROLLING_BTIME_FREQ) == (True, 40, 313)
+    tb = cfg.HOOKS.TENSORBOARD_SETUP
+    assert tb.USE_TENSORBOARD is True and tb.FLUSH_EVERY_N_MIN == 2
+    assert tb.LOG_PARAMS_EVERY_N_ITERS == defaults.HOOKS.TENSORBOARD_SETUP.LOG_PARAMS_EVERY_N_ITERS  # the rest kept
+    assert cfg.HOOKS.MODEL_COMPLEXITY.COMPUTE_COMPLEXITY is True and cfg.HOOKS.MODEL_COMPLEXITY.INPUT_SHAPE == [3, 32, 32]
+    for old in ("MONITOR_PERF_STATS", "TENSORBOARD_SETUP", "MODEL_COMPLEXITY"):
+        assert old not in cfg and old not in cfg.MODEL
+    for old, new in [("config.MONITOR_PERF_STATS", "config.HOOKS.PERF_STATS.MONITOR_PERF_STATS"),
+                     ("config.TENSORBOARD_SETUP", "config.HOOKS.TENSORBOARD_SETUP"),
+                     ("config.MODEL.MODEL_COMPLEXITY", "config.HOOKS.MODEL_COMPLEXITY")]:
+        assert f"{old} is VISSL's older layout; read as {new}" in caplog.text
+    typo = write_yaml(tmp_path, "typo.yaml", "# @package _global_\nconfig:\n  TENSORBOARD_SETUP:\n    USE_TENSORBORD: true\n")
+    with pytest.raises(ConfigError, match=r"config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBORD"):
+        compose([f"config={typo}"])
+
+
 def test_vissl_config_shapes_read_as_vissl_does(tmp_path, caplog):
     path = write_yaml(tmp_path, "vissl_shapes.yaml", """\
         # @package _global_

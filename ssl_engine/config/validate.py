@@ -322,33 +322,67 @@ def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _upgrade_trunk_params(root: Dict[str, Any]) -> None:
-    """VISSL's older layout put the trunk's options under ``MODEL.TRUNK.TRUNK_PARAMS``
-    (``TRUNK_PARAMS.RESNETS.DEPTH``); 0.1.6 reads them one level up and ignores the old place
-    without a word. Move them up, over what is there (with a warning), so the config means
-    what it says."""
-    trunk: Any = root
-    for key in ("config", "MODEL", "TRUNK"):
-        trunk = trunk.get(key) if isinstance(trunk, dict) else None
-    if not isinstance(trunk, dict) or "TRUNK_PARAMS" not in trunk:
+# Keys that VISSL's older layout kept elsewhere (its hook generator read cfg.MONITOR_PERF_STATS,
+# cfg.TENSORBOARD_SETUP, cfg.MODEL.MODEL_COMPLEXITY, ...): old path -> 0.1.6 path, below config.
+MOVED_KEYS = {
+    ("MONITOR_PERF_STATS",): ("HOOKS", "PERF_STATS", "MONITOR_PERF_STATS"),
+    ("PERF_STAT_FREQUENCY",): ("HOOKS", "PERF_STATS", "PERF_STAT_FREQUENCY"),
+    ("ROLLING_BTIME_FREQ",): ("HOOKS", "PERF_STATS", "ROLLING_BTIME_FREQ"),
+    ("TENSORBOARD_SETUP",): ("HOOKS", "TENSORBOARD_SETUP"),
+    ("MODEL", "MODEL_COMPLEXITY"): ("HOOKS", "MODEL_COMPLEXITY"),
+}
+
+
+def _node(root: Dict[str, Any], path: Iterable[str]) -> Any:
+    node: Any = root
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _upgrade_older_layout(root: Dict[str, Any]) -> None:
+    """Read VISSL's older layout as 0.1.6 does, with one warning per moved key.
+
+    ``MODEL.TRUNK.TRUNK_PARAMS.<X>`` (``TRUNK_PARAMS.RESNETS.DEPTH``) is read as
+    ``MODEL.TRUNK.<X>``: 0.1.6 reads the trunk's options one level up and would ignore the old
+    place without a word. The keys of MOVED_KEYS (top-level ``MONITOR_PERF_STATS``,
+    ``TENSORBOARD_SETUP``, ...) are read at their place under ``HOOKS``. A value at the old
+    place goes over the one at the new place, so the config means what it says.
+    """
+    cfg = root.get("config")
+    if not isinstance(cfg, dict):
         return
-    old = trunk.pop("TRUNK_PARAMS")
-    if old is None:
-        return
-    if not isinstance(old, dict):
-        raise ConfigError(f"config.MODEL.TRUNK.TRUNK_PARAMS={show_value(old)} has the wrong type: expected mapping")
-    for name, options in old.items():
-        here = trunk.get(name)
-        trunk[name] = _deep_merge(here, options) if isinstance(here, dict) and isinstance(options, dict) else options
-    log.warning("config.MODEL.TRUNK.TRUNK_PARAMS is VISSL's older layout; read as config.MODEL.TRUNK.%s",
-                ", config.MODEL.TRUNK.".join(str(k) for k in old))
+    trunk = _node(cfg, ("MODEL", "TRUNK"))
+    if isinstance(trunk, dict) and "TRUNK_PARAMS" in trunk:
+        old = trunk.pop("TRUNK_PARAMS")
+        if old is not None:
+            if not isinstance(old, dict):
+                raise ConfigError(f"config.MODEL.TRUNK.TRUNK_PARAMS={show_value(old)} has the wrong type: expected mapping")
+            for name, options in old.items():
+                here = trunk.get(name)
+                trunk[name] = _deep_merge(here, options) if isinstance(here, dict) and isinstance(options, dict) else options
+            log.warning("config.MODEL.TRUNK.TRUNK_PARAMS is VISSL's older layout; read as config.MODEL.TRUNK.%s",
+                        ", config.MODEL.TRUNK.".join(str(k) for k in old))
+    for old_path, new_path in MOVED_KEYS.items():
+        parent = _node(cfg, old_path[:-1])
+        if not isinstance(parent, dict) or old_path[-1] not in parent:
+            continue
+        value = parent.pop(old_path[-1])
+        target = cfg
+        for key in new_path[:-1]:
+            if not isinstance(target.get(key), dict):
+                target[key] = {}
+            target = target[key]
+        here = target.get(new_path[-1])
+        target[new_path[-1]] = _deep_merge(here, value) if isinstance(here, dict) and isinstance(value, dict) else value
+        log.warning("config.%s is VISSL's older layout; read as config.%s", ".".join(old_path), ".".join(new_path))
 
 
 def validate(
     root: Dict[str, Any], defaults: Dict[str, Any], added_keys: Iterable[str] = (), warn_unused: bool = True
 ) -> AttrDict:
     """Check a composed root dict against the defaults; return the config node as an AttrDict."""
-    _upgrade_trunk_params(root)
+    _upgrade_older_layout(root)
     walker = _Walker(added_keys, compat_keys())
     merged = walker.walk(root, defaults, "")
     if walker.unknown or walker.wrong:  # every problem of the file at once, not one per attempt

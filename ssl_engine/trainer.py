@@ -79,6 +79,8 @@ class SelfSupervisionTrainer:
         except BaseException:
             task.run_hooks("on_exception")
             raise
+        finally:
+            task.close_data_iterators()
         return task
 
     def extract(self) -> Any:
@@ -103,6 +105,9 @@ class SelfSupervisionTrainer:
             from ssl_engine.checkpoint import remove_stale_temp_files
 
             remove_stale_temp_files(folder)  # shard files a killed extraction left half written
-        summaries = [extract_split(task, split, folder) for split in extraction_splits(self.cfg)]
+        try:
+            summaries = [extract_split(task, split, folder) for split in extraction_splits(self.cfg)]
+        finally:
+            task.close_data_iterators()
         log_summary(summaries, source)
         return summaries

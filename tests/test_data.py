@@ -285,6 +285,14 @@ def test_transform_errors_are_user_errors() -> None:
     ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor"}, {"name": "ImgPilGaussianBlur"}]), "TRAIN")
     with pytest.raises(UserError, match=r"TRANSFORMS\[1\] \(ImgPilGaussianBlur\).*before ToTensor"):
         ds[0]
+    # values that fail only on an image (Normalize's mean against the channels: a RuntimeError
+    # inside torch) or in the constructor (a one-value RandomResizedCrop scale: an IndexError)
+    ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor"}, {"name": "Normalize", "mean": [0.5] * 2,
+                                                                   "std": [0.5] * 3}]), "TRAIN")
+    with pytest.raises(UserError, match=r"TRANSFORMS\[1\] \(Normalize\) failed on data entry 0.*size of tensor"):
+        ds[0]
+    with pytest.raises(UserError, match=r"TRANSFORMS\[0\].*RandomResizedCrop"):
+        SSLTransformsWrapper([{"name": "RandomResizedCrop", "size": 4, "scale": [0.5]}], "config.DATA.TRAIN.TRANSFORMS")
 
 
 def test_replicate_then_indices_and_label_replication() -> None:

@@ -505,3 +505,44 @@ def test_metrics_json_that_is_a_folder_is_one_line(interrupted_run, tmp_path):
     proc = _resume(run)
     assert proc.returncode == 2
     assert "metrics.json is not a file" in one_error_line(proc)
+
+
+# ------------------------------------------------------------------------------------------------
+# a failing run with loader workers
+
+
+FAILING_LOSS = '''\
+    """A loss whose first call fails as a bug would (not a user error): a traceback and exit 1."""
+    from classy_vision.losses import ClassyLoss
+
+    from ssl_engine.registry import LOSSES
+
+
+    @LOSSES.register("fails_at_first_step")
+    class FailsAtFirstStep(ClassyLoss):
+        @classmethod
+        def from_config(cls, config):
+            return cls()
+
+        def forward(self, output, target):
+            raise RuntimeError("a bug in the loss")
+'''
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_run_that_fails_with_loader_workers_running_exits(tmp_path, start_method):
+    """A traceback keeps the run's objects alive until the interpreter exits, where
+    multiprocessing terminates its daemon children with SIGTERM, which loader workers ignore (a
+    preemption signal to the whole job must not kill them), then waits for them: the run must
+    stop its workers itself, or the process never exits."""
+    module = write_module(tmp_path, "failing_loss", FAILING_LOSS)
+    run = tmp_path / "run"
+    try:
+        proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=1",
+                                "config.DATA.NUM_DATALOADER_WORKERS=1", f"config.MULTI_PROCESSING_METHOD={start_method}",
+                                f"config.USER_MODULES=[{module}]", "config.LOSS.name=fails_at_first_step"],
+                        timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the failed run did not exit within 150 s (it waited for its loader workers)")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: a bug in the loss" in proc.stderr

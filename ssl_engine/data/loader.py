@@ -76,6 +76,18 @@ def _exit_when_gone(main_pid: int, every_s: float = 1.0) -> None:
     os._exit(0)
 
 
+def stop_workers(iterator: Any) -> None:
+    """Stop the worker processes of a DataLoader iterator now; nothing for one without workers.
+
+    Workers ignore SIGTERM (see worker_init_fn), so an iterator must not be left for the
+    interpreter's exit, where multiprocessing terminates daemon children with SIGTERM and then
+    waits for them: the process would never end.
+    """
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's multi-process iterator
+    if shutdown is not None:
+        shutdown()
+
+
 def build_dataloader(
     dataset: Any,
     cfg: Any,

@@ -218,7 +218,7 @@ def build_transform(spec: Dict[str, Any], where: str = "transform") -> Tuple[str
     params = {k: _convert_param(k, v, where) for k, v in params.items()}
     try:
         transform = cls(**params)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, IndexError) as exc:  # e.g. a one-value RandomResizedCrop scale
         raise UserError(f"{where}: bad parameters for transform {name!r} {params!r}: {exc}") from exc
     indices = spec.get("indices")
     if indices is not None:
@@ -290,7 +290,8 @@ class SSLTransformsWrapper:
             for i in targets:
                 try:
                     outputs[i] = transform(data[i])
-                except (TypeError, ValueError) as exc:
+                # values that fail only on an image, e.g. Normalize's mean against the channels
+                except (TypeError, ValueError, IndexError, RuntimeError) as exc:
                     raise UserError(
                         f"{self.config_key}[{pos}] ({name}) failed on data entry {i} "
                         f"({type(data[i]).__name__}): {exc}"

@@ -157,6 +157,8 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     Returns this split's summary: samples on all ranks, per-layer feature shape and dtype,
     chunks of this rank, seconds.
     """
+    from ssl_engine.data.loader import stop_workers
+
     cfg = task.config
     t0 = time.perf_counter()
     if du.is_primary():
@@ -167,22 +169,11 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     du.barrier()
     loader = extraction_loader(task, split)
     writer = ShardWriter(folder, task.rank, split, cfg.EXTRACT_FEATURES.CHUNK_THRESHOLD)
-    non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
-    model = task.base_model
-    with writer:  # waits for the shard files being written; on an error, stops the writer threads
-        for batch in loader:
-            views, inds = batch["data"], batch["data_idx"][0].numpy()
-            unique = _num_unique(inds)
-            if len(views) != 1 or unique != len(inds):
-                raise UserError(
-                    f"config.DATA.{split}.TRANSFORMS / COLLATE_FUNCTION give "
-                    f"{max(len(views), len(inds) // max(unique, 1))} views per sample; feature extraction needs one "
-                    f"(remove ImgReplicatePil / multi-crop transforms and use COLLATE_FUNCTION default_collate)"
-                )
-            with task.autocast():
-                feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
-            arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
-            writer.add(arrays, _targets(batch, len(inds)), inds)
+    batches = iter(loader)
+    try:
+        _write_features(task, split, batches, writer)
+    finally:
+        stop_workers(batches)  # now, also on an error (see stop_workers)
     counts = du.all_gather_object(writer.num_samples)  # every rank's shards are on disk past this point
     layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
     if du.is_primary():
@@ -196,6 +187,27 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "folder": str(folder),
     }
+
+
+def _write_features(task: Any, split: str, batches: Any, writer: Any) -> None:
+    """Run every batch through the model and hand its features to ``writer``."""
+    cfg = task.config
+    non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
+    model = task.base_model
+    with writer:  # waits for the shard files being written; on an error, stops the writer threads
+        for batch in batches:
+            views, inds = batch["data"], batch["data_idx"][0].numpy()
+            unique = _num_unique(inds)
+            if len(views) != 1 or unique != len(inds):
+                raise UserError(
+                    f"config.DATA.{split}.TRANSFORMS / COLLATE_FUNCTION give "
+                    f"{max(len(views), len(inds) // max(unique, 1))} views per sample; feature extraction needs one "
+                    f"(remove ImgReplicatePil / multi-crop transforms and use COLLATE_FUNCTION default_collate)"
+                )
+            with task.autocast():
+                feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
+            arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
+            writer.add(arrays, _targets(batch, len(inds)), inds)
 
 
 def log_summary(summaries: List[Dict[str, Any]], source: str) -> None:

@@ -323,6 +323,27 @@ class SelfSupervisionTask(ClassyTask):
         loader.sampler.set_start_iter(0)
         self._prefetched = (("train" if train else "test", epoch, 0), iter(loader))
 
+    def close_data_iterators(self) -> None:
+        """Stop the loader workers of every iterator this task started: the phase's, the next
+        phase's prefetched one and the ones persistent-worker loaders keep.
+
+        Called when a run ends, normally or not. An iterator left to the garbage collector may
+        outlive the run when an error's traceback keeps it alive; at interpreter exit,
+        multiprocessing would then join its workers, which ignore SIGTERM (they must outlive a
+        preemption signal sent to the whole job), and the process would never exit.
+        """
+        from ssl_engine.data.loader import stop_workers
+
+        prefetched, self._prefetched = self._prefetched, None
+        iterators = [self.data_iterator, prefetched[1] if prefetched else None]
+        iterators += [getattr(loader, "_iterator", None) for loader in self.dataloaders.values()]
+        self.data_iterator = None
+        for it in iterators:
+            stop_workers(it)
+        for loader in self.dataloaders.values():
+            if getattr(loader, "_iterator", None) is not None:
+                loader._iterator = None  # a persistent iterator whose workers are gone
+
     def sync_meters(self) -> None:
         for m in self.meters:
             m.sync_state()

@@ -536,3 +536,28 @@ def test_keys_the_engine_acts_on_are_not_called_unused(override, caplog):
     with caplog.at_level(logging.WARNING):
         compose([QUICK, override])
     assert "not acted on" not in caplog.text, caplog.text
+
+
+def test_a_misspelt_section_of_a_part_is_an_unknown_key_but_a_users_own_is_accepted(tmp_path):
+    """LOSS, METERS and MODEL.TRUNK take sections of the user's own parts; a section whose name
+    is a near miss of a built-in one (a typo, or VISSL's older ``accuracy_list``) would be left
+    unused without a word, so it is an unknown key with the closest name."""
+    for parent, section, closest in [
+        ("LOSS", "simclr_info_nce_los", "config.LOSS.simclr_info_nce_loss"),
+        ("METERS", "accuracy_list", "config.METERS.accuracy_list_meter"),
+        ("MODEL.TRUNK", "RESNET", "config.MODEL.TRUNK.RESNETS"),
+    ]:
+        body = "config:\n"
+        indent = "  "
+        for part in parent.split("."):
+            body += f"{indent}{part}:\n"
+            indent += "  "
+        body += f"{indent}{section}:\n{indent}  DEPTH: 18\n"
+        path = write_yaml(tmp_path, f"typo_{section}.yaml", "# @package _global_\n" + body)
+        with pytest.raises(ConfigError, match=rf"unknown config key config.{parent}.{section} \(closest: {closest}"):
+            compose([f"config={path}"])
+    own = write_yaml(tmp_path, "own.yaml", "# @package _global_\nconfig:\n  LOSS:\n    my_loss:\n      margin: 0.5\n")
+    assert compose([f"config={own}"]).LOSS.my_loss == {"margin": 0.5}
+    declared = write_yaml(tmp_path, "declared.yaml", "# @package _global_\n# added keys: config.LOSS.swav_los\n"
+                                                     "config:\n  LOSS:\n    swav_los:\n      eps: 1\n")
+    assert compose([f"config={declared}"]).LOSS.swav_los == {"eps": 1}

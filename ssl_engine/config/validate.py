@@ -34,6 +34,19 @@ def flatten_keys(tree: Dict[str, Any], prefix: str = "") -> List[str]:
     return out
 
 
+def _near_miss(name: str, siblings: Iterable[str]) -> bool:
+    """Whether an unknown section name under an open parent (``_OPEN_PARENTS``) reads as a typo
+    or an older name of a built-in section (``simclr_info_nce_los``, ``RESNET``, VISSL's
+    ``accuracy_list``) rather than the options of a part of the user's own: those are reported
+    as unknown keys with the closest name, not silently left unused."""
+    import difflib
+
+    names = [str(s) for s in siblings]
+    if name.lower() in (s.lower() for s in names):
+        return True
+    return bool(difflib.get_close_matches(name, names, n=1, cutoff=0.8))
+
+
 def keys_beyond_defaults(tree: Dict[str, Any], defaults: Dict[str, Any], prefix: str = "") -> List[str]:
     """The topmost key paths of ``tree`` that defaults.yaml does not have (keys added with '+'),
     leaving out the free-form options of registered parts (``_OPEN_PARENTS``)."""
@@ -228,7 +241,7 @@ class _Walker:
                 if any(kpath == a or kpath.startswith(a + ".") or a.startswith(kpath + ".") for a in self.added):
                     log.warning("config key %s is not a known option; added as asked with '+'", kpath)
                     out[key] = value
-                elif path in _OPEN_PARENTS and isinstance(value, dict):
+                elif path in _OPEN_PARENTS and isinstance(value, dict) and not _near_miss(str(key), default):
                     out[key] = value  # options of a user-registered trunk/loss/meter, checked by its owner
                 else:
                     self.unknown.append(kpath)

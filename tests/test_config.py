@@ -561,3 +561,16 @@ def test_a_misspelt_section_of_a_part_is_an_unknown_key_but_a_users_own_is_accep
     declared = write_yaml(tmp_path, "declared.yaml", "# @package _global_\n# added keys: config.LOSS.swav_los\n"
                                                      "config:\n  LOSS:\n    swav_los:\n      eps: 1\n")
     assert compose([f"config={declared}"]).LOSS.swav_los == {"eps": 1}
+
+
+def test_vissl_values_for_input_type_and_an_infinity_norm_are_accepted():
+    """VISSL's INPUT_TYPE values bgr and lab (its colorization configs) and the max norm for
+    gradient clipping (NORM_TYPE: inf) compose; other values are still refused."""
+    assert compose([QUICK, "config.MODEL.INPUT_TYPE=bgr"]).MODEL.INPUT_TYPE == "bgr"
+    assert compose([QUICK, "config.MODEL.INPUT_TYPE=lab"]).MODEL.INPUT_TYPE == "lab"
+    with pytest.raises(ConfigError, match="config.MODEL.INPUT_TYPE='cmyk'.*one of rgb, bgr"):
+        compose([QUICK, "config.MODEL.INPUT_TYPE=cmyk"])
+    assert compose([QUICK, "config.MODEL.GRAD_CLIP.NORM_TYPE=inf"]).MODEL.GRAD_CLIP.NORM_TYPE == float("inf")
+    for key in ("config.MODEL.GRAD_CLIP.MAX_NORM", "config.OPTIMIZER.weight_decay"):
+        with pytest.raises(ConfigError, match=f"{key}=.*not a finite number"):
+            compose([QUICK, f"{key}=inf"])

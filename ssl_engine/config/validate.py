@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 # Subtrees whose children are free-form (a registered part's own options).
 _OPEN_PARENTS = {"config.MODEL.TRUNK", "config.LOSS", "config.METERS"}
+# Numbers for which +inf means something (the max norm in gradient clipping).
+_INFINITY_ALLOWED = {"config.MODEL.GRAD_CLIP.NORM_TYPE"}
 # Mappings whose keys and values are passed on as they are (VISSL hands AMP_ARGS to apex).
 _FREE_FORM = {"config.MODEL.AMP_PARAMS.AMP_ARGS"}
 
@@ -190,7 +192,7 @@ def _coerce(path: str, value: Any, default: Any, nullable: bool = False) -> Any:
                 raise bad from None
         if number is None:
             raise bad
-        if not math.isfinite(number):
+        if not math.isfinite(number) and not (path in _INFINITY_ALLOWED and number == math.inf):
             raise ConfigError(f"{path}={show_value(value)} is not a finite number")
         return number
     if isinstance(default, str):
@@ -295,7 +297,7 @@ _RANGES = [
     ("CHECKPOINT.BACKEND", lambda v: v == "disk", "disk"),
     ("MODEL.AMP_PARAMS.AMP_TYPE", lambda v: v in ("pytorch", "apex"), "one of pytorch, apex"),
     ("MODEL.AMP_PARAMS.AMP_DTYPE", lambda v: v in ("auto", "float16", "bfloat16"), "one of auto, float16, bfloat16"),
-    ("MODEL.INPUT_TYPE", lambda v: v in ("rgb", "gray"), "one of rgb, gray"),
+    ("MODEL.INPUT_TYPE", lambda v: v in ("rgb", "bgr", "gray", "lab"), "one of rgb, bgr (3 channels), gray, lab (1)"),
     ("EXTRACT_FEATURES.CHUNK_THRESHOLD", lambda v: v >= 0, "an integer >= 0 (0 = default)"),
     ("NEAREST_NEIGHBOR.TOPK", lambda v: v > 0, "an integer > 0"),
     ("NEAREST_NEIGHBOR.SIGMA", lambda v: v > 0, "a number > 0"),

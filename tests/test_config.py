@@ -574,3 +574,10 @@ def test_vissl_values_for_input_type_and_an_infinity_norm_are_accepted():
     for key in ("config.MODEL.GRAD_CLIP.MAX_NORM", "config.OPTIMIZER.weight_decay"):
         with pytest.raises(ConfigError, match=f"{key}=.*not a finite number"):
             compose([QUICK, f"{key}=inf"])
+
+
+def test_a_list_where_a_section_belongs_names_the_key(tmp_path):
+    """hydra's own message for it (merging a list into a mapping) names no key."""
+    path = write_yaml(tmp_path, "section_list.yaml", "# @package _global_\nconfig:\n  DATA:\n    TRAIN: [a, b]\n")
+    with pytest.raises(ConfigError, match=r"section_list.yaml: config.DATA.TRAIN holds a list, but it is a section"):
+        compose([f"config={path}"])

@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import yaml
 from omegaconf import OmegaConf
@@ -239,11 +239,28 @@ def _check_yaml_file(path: Path) -> None:
             )
     if data.get("config") is not None and not isinstance(data["config"], dict):
         raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
+    if isinstance(data.get("config"), dict):
+        _check_sections_are_mappings(path, data["config"], load_defaults()["config"], "config")
     if not _has_global_package_header(path):
         raise ConfigError(
             f"config file {path} lacks the header line '# @package _global_' before its first key; "
             f"without it hydra would read its options as config.config.*"
         )
+
+
+def _check_sections_are_mappings(path: Path, tree: Dict[str, Any], defaults: Dict[str, Any], prefix: str) -> None:
+    """A list where the defaults have a section (``MACHINE: [cpu]``) would fail inside hydra's
+    merge with a message that names no key; name it here."""
+    for key, value in tree.items():
+        default = defaults.get(key) if isinstance(key, str) else None
+        if not isinstance(default, dict) or not default:
+            continue
+        where = f"{prefix}.{key}"
+        if isinstance(value, list):
+            raise ConfigError(f"config file {path}: {where} holds a list, but it is a section: expected a mapping "
+                              f"of its options (e.g. {where}.{next(iter(default))}: ...)")
+        if isinstance(value, dict):
+            _check_sections_are_mappings(path, value, default, where)
 
 
 def _has_global_package_header(path: Path) -> bool:

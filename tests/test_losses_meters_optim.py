@@ -293,6 +293,14 @@ def test_accuracy_counts_kept_on_the_device_equal_classys_meter(monkeypatch, top
     assert ours.value == pytest.approx(classy.value)
 
 
+@pytest.mark.parametrize("name", ["accuracy_list_meter", "precision_at_k_list_meter", "recall_at_k_list_meter"])
+def test_topk_beyond_the_number_of_classes_is_a_user_error(name):
+    meter = METERS.get(name).from_config(AttrDict({"num_meters": 1, "topk_values": [1, 5]}))
+    with pytest.raises(UserError, match=rf"config.METERS.{name}.topk_values=\[1, 5\]: top-5 needs at least 5 classes, "
+                                        r"but the model outputs 3"):
+        meter.update([torch.randn(4, 3)], torch.tensor([0, 1, 2, 0]))
+
+
 def test_precision_recall_list_meters():
     cfg = AttrDict({
         "names": ["precision_at_k_list_meter", "recall_at_k_list_meter"],

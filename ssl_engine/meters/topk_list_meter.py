@@ -128,6 +128,7 @@ class TopKListMeter(ClassyMeter):
             )
         self.num_meters = num_meters
         self.topk_values = topk
+        self._k_max = max(topk)
         self.meter_names = names or [str(i) for i in range(num_meters)]
         self._meters = [self.INNER(topk=list(topk)) for _ in range(num_meters)]
 
@@ -162,6 +163,11 @@ class TopKListMeter(ClassyMeter):
                 raise ValueError(f"{self.NAME}: {len(targets)} targets for {len(outputs)} outputs")
         pairs = []
         for out, tgt in zip(outputs, targets):
+            if out.ndim == 2 and self._k_max > out.shape[1]:
+                raise UserError(
+                    f"config.METERS.{self.NAME}.topk_values={self.topk_values}: top-{self._k_max} needs at least "
+                    f"{self._k_max} classes, but the model outputs {out.shape[1]}"
+                )
             if out.requires_grad:
                 out = out.detach()
             if self.ON_CPU:

@@ -184,6 +184,25 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except Exception as e:
+        if debug or not _raised_while_interrupted(e):
+            raise
+        # Ctrl-C landed inside library code that then failed on its way out (e.g. a thread
+        # pool's lock released twice): the run was interrupted, not broken
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+
+
+def _raised_while_interrupted(error: BaseException) -> bool:
+    """Whether ``error`` was raised while a KeyboardInterrupt was being handled."""
+    seen = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__context__
+    return False
 
 
 def _launch(cfg: Any, node_id: int) -> int:

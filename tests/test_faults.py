@@ -546,3 +546,26 @@ def test_a_run_that_fails_with_loader_workers_running_exits(tmp_path, start_meth
         pytest.fail("the failed run did not exit within 150 s (it waited for its loader workers)")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "RuntimeError: a bug in the loss" in proc.stderr
+
+
+def test_an_error_raised_while_ctrl_c_unwinds_is_reported_as_the_interrupt(capsys, monkeypatch):
+    """Ctrl-C can land inside library code that then fails on its way out (a thread pool's
+    submit released its lock twice: RuntimeError during the KeyboardInterrupt): that is an
+    interrupted run, exit 130, not a crash; an error without an interrupt behind it is raised."""
+    from ssl_engine.cli import INTERRUPTED_EXIT_CODE, run_command
+
+    monkeypatch.delenv("SSL_ENGINE_DEBUG", raising=False)
+
+    def interrupted_then_broken(cfg, node_id):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("release unlocked lock")
+
+    def broken(cfg, node_id):
+        raise RuntimeError("a bug")
+
+    assert run_command(["config=quick/simclr_synthetic"], interrupted_then_broken) == INTERRUPTED_EXIT_CODE
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_command(["config=quick/simclr_synthetic"], broken)

@@ -117,9 +117,15 @@ def prepare_config(overrides: List[str], tool_process: bool = False):
     from ssl_engine.engines.run import load_builtin_parts
     from ssl_engine.user_modules import import_user_modules
 
-    load_builtin_parts()  # imports torch
     if pending is not None:
+        try:
+            load_builtin_parts()  # imports torch while the child composes
+        except BaseException:
+            pending.cancel()
+            raise
         cfg = pending.result()
+    else:
+        load_builtin_parts()
     import_user_modules(cfg.USER_MODULES)
     check_registered_names(cfg)
     check_data_paths(cfg)

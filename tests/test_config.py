@@ -355,6 +355,16 @@ def test_forked_compose_reports_config_errors_and_recomposes_what_the_child_coul
         calls = []
         cfg = forked_compose.start(['config=quick/simclr_synthetic'], on_config=calls.append).result()
         assert cfg.OPTIMIZER.name == 'sgd' and calls == [cfg]
+        # a parent that leaves before asking (its imports failed) stops and reaps the child, whose
+        # answer then acts on nothing (here: a config error would have ended the process)
+        forked_compose._compose = real
+        pending = forked_compose.start(bad, exit_on_user_error=True)
+        pending.cancel()
+        try:
+            os.waitpid(pending._pid, os.WNOHANG)
+            raise AssertionError('the cancelled child was not reaped')
+        except ChildProcessError:
+            pass
         print('ok')
     """)
     assert proc.returncode == 0 and proc.stdout.strip().splitlines() == ["ok"], (proc.stdout, proc.stderr[-2000:])

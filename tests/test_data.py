@@ -649,3 +649,36 @@ def test_an_unreadable_sample_in_a_whole_batch_read_is_replaced_as_in_a_sample_r
     assert torch.equal(batch["data"][0][1], ds.sources[0].x[5])
     with pytest.raises(IndexError, match="out of range"):
         ds.__getitems__([(0, 1), (0, 10)])
+
+
+class _StuckAfterFirst(torch.utils.data.Dataset):
+    """Sample 0 at once; any other sample never comes (a hung read)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i > 0:
+            import time
+
+            time.sleep(3600)
+        return torch.zeros(1)
+
+
+def test_stop_workers_ends_even_a_stuck_worker_that_ignores_sigterm() -> None:
+    """Loader workers ignore SIGTERM (a preemption signal to the whole job must not kill them),
+    so torch's own fallback cannot end a stuck one; stop_workers must, or the run's process
+    would wait for it at exit."""
+    import functools
+    import multiprocessing as mp
+
+    from ssl_engine.data.loader import stop_workers, worker_init_fn
+
+    loader = torch.utils.data.DataLoader(_StuckAfterFirst(), batch_size=1, num_workers=1,
+                                         worker_init_fn=functools.partial(worker_init_fn, main_pid=os.getpid()),
+                                         multiprocessing_context=mp.get_context("fork"))
+    it = iter(loader)
+    assert next(it).shape == (1, 1)
+    workers = list(it._workers)
+    stop_workers(it)
+    assert workers and not any(w.is_alive() for w in workers)

@@ -21,6 +21,7 @@ falls back to composing in-process where :func:`start` returns None.
 
 import os
 import pickle
+import signal
 import sys
 import threading
 from typing import Any, Callable, List, Optional, Tuple
@@ -74,6 +75,7 @@ class PendingConfig:
         self._exit_on_user_error = exit_on_user_error
         self._outcome: Tuple[str, Any] = ("retry", None)
         self._callback_error: Optional[BaseException] = None
+        self._cancelled = False
         self._thread = threading.Thread(target=self._receive, name="ssl_engine-compose", daemon=True)
         self._thread.start()
 
@@ -92,6 +94,8 @@ class PendingConfig:
         except Exception:  # a child killed while writing: compose again in the parent
             outcome = ("retry", None)
         self._outcome = outcome
+        if self._cancelled:
+            return
         kind, value = outcome
         if kind == "user_error" and self._exit_on_user_error:
             _flush_std_streams()
@@ -102,6 +106,16 @@ class PendingConfig:
                 self._on_config(value)
             except BaseException as e:  # noqa: B036 - raised again by result(), in the main thread
                 self._callback_error = e
+
+    def cancel(self) -> None:
+        """The parent is leaving before it asked for the config (its imports failed, Ctrl-C):
+        stop the child, and let neither its error nor its config act any more."""
+        self._cancelled = True
+        try:
+            os.kill(self._pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._thread.join(timeout=5)  # reaps the child
 
     def result(self) -> Any:
         """The composed config; raises the config's UserError, or composes here if the child could not."""

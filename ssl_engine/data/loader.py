@@ -84,8 +84,13 @@ def stop_workers(iterator: Any) -> None:
     waits for them: the process would never end.
     """
     shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's multi-process iterator
-    if shutdown is not None:
-        shutdown()
+    if shutdown is None:
+        return
+    shutdown()  # asks each worker to stop and joins it (torch's fallback, SIGTERM, is ignored here)
+    for worker in getattr(iterator, "_workers", ()):
+        if worker.is_alive():  # stuck (a hung read, a deadlocked decoder): the one signal it cannot ignore
+            worker.kill()
+            worker.join(timeout=5)
 
 
 def build_dataloader(

@@ -11,6 +11,7 @@ from (SEED_VALUE, rank), never from the global torch generator.
 """
 
 import functools
+import logging
 import os
 import random
 import signal
@@ -27,6 +28,8 @@ from ssl_engine.data.sampler import StatefulDistributedSampler
 from ssl_engine.data.sources import data_key
 from ssl_engine.errors import UserError
 from ssl_engine.forkserver import preload_forkserver
+
+log = logging.getLogger(__name__)
 
 
 def worker_init_fn(worker_id: int, main_pid: Optional[int] = None) -> None:
@@ -81,12 +84,16 @@ def stop_workers(iterator: Any) -> None:
 
     Workers ignore SIGTERM (see worker_init_fn), so an iterator must not be left for the
     interpreter's exit, where multiprocessing terminates daemon children with SIGTERM and then
-    waits for them: the process would never end.
+    waits for them: the process would never end. Called while a run ends, often on its error:
+    it never raises (a failure is logged at debug level), so it cannot hide that error.
     """
     shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's multi-process iterator
     if shutdown is None:
         return
-    shutdown()  # asks each worker to stop and joins it (torch's fallback, SIGTERM, is ignored here)
+    try:
+        shutdown()  # asks each worker to stop and joins it (torch's fallback, SIGTERM, is ignored here)
+    except Exception as e:  # noqa: BLE001 - e.g. torch's SIGCHLD check raising for a worker that died
+        log.debug("stopping loader workers: %s: %s", type(e).__name__, e)
     for worker in getattr(iterator, "_workers", ()):
         if worker.is_alive():  # stuck (a hung read, a deadlocked decoder): the one signal it cannot ignore
             worker.kill()

@@ -173,10 +173,7 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     try:
         _write_features(task, split, batches, writer)
     finally:
-        try:
-            stop_workers(batches)  # now, also on an error (see stop_workers)
-        except Exception as e:  # noqa: BLE001 - never hide the extraction's own error
-            log.debug("stopping loader workers: %s: %s", type(e).__name__, e)
+        stop_workers(batches)  # now, also on an error (see stop_workers)
     counts = du.all_gather_object(writer.num_samples)  # every rank's shards are on disk past this point
     layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
     if du.is_primary():

@@ -339,10 +339,7 @@ class SelfSupervisionTask(ClassyTask):
         iterators += [getattr(loader, "_iterator", None) for loader in self.dataloaders.values()]
         self.data_iterator = None
         for it in iterators:
-            try:
-                stop_workers(it)
-            except Exception as e:  # noqa: BLE001 - e.g. torch's SIGCHLD check; never hide the run's own error
-                log.debug("stopping loader workers: %s: %s", type(e).__name__, e)
+            stop_workers(it)
         for loader in self.dataloaders.values():
             if getattr(loader, "_iterator", None) is not None:
                 loader._iterator = None  # a persistent iterator whose workers are gone

@@ -101,31 +101,29 @@ def prepare_config(overrides: List[str], tool_process: bool = False):
     torch (ssl_engine.config.forked_compose), and a config mistake still ends the process with
     its one-line error as soon as composing fails.
     """
-    from ssl_engine.config import forked_compose
+    from ssl_engine.config import compose, forked_compose
     from ssl_engine.logger import setup_logging
 
     setup_logging(0, None)
     pending = forked_compose.start(overrides, on_config=start_forkserver_early, exit_on_user_error=True) \
         if tool_process else None
     if pending is None:
-        from ssl_engine.config import compose
-
         cfg = compose(overrides)
         start_forkserver_early(cfg)
 
     from ssl_engine.config.validate import check_data_paths, check_registered_names
-    from ssl_engine.engines.run import load_builtin_parts
     from ssl_engine.user_modules import import_user_modules
 
-    if pending is not None:
-        try:
-            load_builtin_parts()  # imports torch while the child composes
-        except BaseException:
-            pending.cancel()
-            raise
-        cfg = pending.result()
-    else:
+    try:
+        from ssl_engine.engines.run import load_builtin_parts  # imports torch
+
         load_builtin_parts()
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
+    if pending is not None:
+        cfg = pending.result()
     import_user_modules(cfg.USER_MODULES)
     check_registered_names(cfg)
     check_data_paths(cfg)

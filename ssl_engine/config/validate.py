@@ -355,6 +355,12 @@ def _node(root: Dict[str, Any], path: Iterable[str]) -> Any:
     return node
 
 
+def _put_over(node: Dict[str, Any], key: str, value: Any) -> None:
+    """``node[key] = value``, merged into what is there when both are mappings."""
+    here = node.get(key)
+    node[key] = _deep_merge(here, value) if isinstance(here, dict) and isinstance(value, dict) else value
+
+
 def _upgrade_older_layout(root: Dict[str, Any]) -> None:
     """Read VISSL's older layout as 0.1.6 does, with one warning per moved key.
 
@@ -374,8 +380,7 @@ def _upgrade_older_layout(root: Dict[str, Any]) -> None:
             if not isinstance(old, dict):
                 raise ConfigError(f"config.MODEL.TRUNK.TRUNK_PARAMS={show_value(old)} has the wrong type: expected mapping")
             for name, options in old.items():
-                here = trunk.get(name)
-                trunk[name] = _deep_merge(here, options) if isinstance(here, dict) and isinstance(options, dict) else options
+                _put_over(trunk, name, options)
             log.warning("config.MODEL.TRUNK.TRUNK_PARAMS is VISSL's older layout; read as config.MODEL.TRUNK.%s",
                         ", config.MODEL.TRUNK.".join(str(k) for k in old))
     for old_path, new_path in MOVED_KEYS.items():
@@ -388,8 +393,7 @@ def _upgrade_older_layout(root: Dict[str, Any]) -> None:
             if not isinstance(target.get(key), dict):
                 target[key] = {}
             target = target[key]
-        here = target.get(new_path[-1])
-        target[new_path[-1]] = _deep_merge(here, value) if isinstance(here, dict) and isinstance(value, dict) else value
+        _put_over(target, new_path[-1], value)
         log.warning("config.%s is VISSL's older layout; read as config.%s", ".".join(old_path), ".".join(new_path))
 
 

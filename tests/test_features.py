@@ -373,6 +373,43 @@ def test_extraction_refuses_augmented_multi_view_batches(pretrained: Path, tmp_p
     assert err[-1].startswith("error: ") and "2 views per sample" in err[-1]
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_preemption_signal_stops_extraction_and_the_rerun_completes(pretrained: Path, tmp_path: Path,
+                                                                     ranks: int) -> None:
+    """SIGTERM in the middle of a split: exit 3 at the next batch, complete shards only, the split
+    marked unfinished (readers refuse it); the same command then extracts it in full."""
+    import signal
+    import sys
+    import time
+
+    from conftest import TOOL, tool_env
+
+    out = tmp_path / "out"
+    args = ["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
+            f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
+            "config.EXTRACT_FEATURES.CHUNK_THRESHOLD=8", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+            f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}"]
+    proc = subprocess.Popen([sys.executable, TOOL, *args], cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(out.glob("rank0_chunk0_train_*inds.npy")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the extraction ended before the signal"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 3, stderr[-3000:]
+    assert "preemption" in stderr + stdout and "Traceback" not in stderr, stderr[-3000:]
+    assert extraction_status(out, "TRAIN")["status"] == "running"
+    with pytest.raises(FeatureShardError):
+        load_features(out, "train", "res5avg")
+    written = sorted(out.glob("rank*_train_res5avg_inds.npy"))
+    assert written and sum(len(np.load(p)) for p in written) < 1000, "the extraction ran to its end"
+    assert temp_files(out) == []
+    tool(args)
+    n = extraction_status(out, "TRAIN")["samples"]
+    np.testing.assert_array_equal(load_features(out, "train", "res5avg")["inds"], np.arange(n))
+
+
 def test_linear_eval_trains_heads_on_a_frozen_pretrained_trunk(pretrained: Path, tmp_path: Path) -> None:
     params_file = pretrained / "checkpoint.torch"
     tool(["config=benchmark/linear_eval_digits_resnet", f"config.CHECKPOINT.DIR={tmp_path}",

@@ -10,6 +10,13 @@ same on every rank), which is what a "random trunk" baseline needs.
 
 Ranks get uneven shares of each split (no padding: extraction has no per-step collectives),
 so every sample index is written exactly once.
+
+A preemption signal (SIGTERM, SIGUSR1; see ssl_engine.preemption) stops the extraction after
+the batch in hand: the shards already on disk stay complete, the split's status stays
+"running" (readers refuse it) and the process ends with PREEMPTED_EXIT_CODE; rerunning the
+command extracts the split again. Each rank reads its own flag (the launcher, torchrun and
+SLURM signal every rank), as ranks run different numbers of batches and could not agree on
+it with a per-batch collective.
 """
 
 import copy
@@ -22,6 +29,7 @@ import numpy as np
 import torch
 
 from ssl_engine import distributed as du
+from ssl_engine import preemption
 from ssl_engine.checkpoint import load_checkpoint, newest_good_checkpoint
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo
@@ -208,6 +216,11 @@ def _write_features(task: Any, split: str, batches: Any, writer: Any) -> None:
                 feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
             arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
             writer.add(arrays, _targets(batch, len(inds)), inds)
+            if preemption.requested():  # the writer drops its buffer; the chunks already written stay
+                raise preemption.Preempted(
+                    f"stopped extracting {split.lower()} features on a preemption signal after {writer.num_samples} "
+                    f"samples on rank {task.rank}; rerun the same command to extract them again"
+                )
 
 
 def log_summary(summaries: List[Dict[str, Any]], source: str) -> None:

@@ -431,9 +431,21 @@ def test_auto_lr_scaling_linear_and_sqrt():
         schedulers=[{"name": "linear", "start_value": 0.03, "end_value": 0.3},
                     {"name": "cosine", "start_value": 0.3, "end_value": 0.0}],
     )
-    children = scale_lr_schedule(composite, 512)["schedulers"]
-    assert (children[0]["start_value"], children[0]["end_value"]) == pytest.approx((0.06, 0.6))
+    # VISSL's warm-up rule: from the lr of one node's batch to the lr of the global batch
+    children = scale_lr_schedule(composite, 512, num_nodes=2)["schedulers"]
+    assert (children[0]["start_value"], children[0]["end_value"]) == pytest.approx((0.3, 0.6))
     assert (children[1]["start_value"], children[1]["end_value"]) == pytest.approx((0.6, 0.0))
+    # one node: the ramp would start at its end, so the cosine becomes the whole schedule
+    single = scale_lr_schedule(composite, 512, num_nodes=1)
+    assert single["name"] == "cosine" and "schedulers" not in single
+    assert (single["start_value"], single["end_value"]) == pytest.approx((0.6, 0.0))
+    assert single["auto_lr_scaling"] == auto
+    three = dict(composite, lengths=[0.1, 0.6, 0.3], interval_scaling=["rescaled", "fixed", "fixed"],
+                 schedulers=composite["schedulers"] + [{"name": "constant", "value": 0.003}])
+    kept = scale_lr_schedule(three, 512)
+    assert [c["name"] for c in kept["schedulers"]] == ["cosine", "constant"]
+    assert kept["lengths"] == pytest.approx([2 / 3, 1 / 3]) and kept["interval_scaling"] == ["fixed", "fixed"]
+    assert build_param_scheduler(kept, 10)(0.0) == pytest.approx(0.6)
 
     # VISSL semantics: base_value is the reference lr; the schedule's peak becomes scaled_lr
     const = lr_cfg(name="constant", value=5.0, auto_lr_scaling=dict(auto, base_value=0.1))

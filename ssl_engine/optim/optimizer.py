@@ -238,10 +238,11 @@ def build_optimizer(
     model: nn.Module,
     global_batch_size: int,
     num_iters_per_epoch: int,
+    num_nodes: int = 1,
 ) -> SSLOptimizer:
     """The optimizer ``config.OPTIMIZER`` describes, for ``model``'s trainable parameters.
 
-    ``global_batch_size`` (per-replica batch size times world size) drives
+    ``global_batch_size`` (per-replica batch size times world size) and ``num_nodes`` drive
     ``param_schedulers.lr.auto_lr_scaling``; ``num_iters_per_epoch`` is kept for the
     trainer's ``where`` computation.
     """
@@ -272,7 +273,7 @@ def build_optimizer(
     lr_cfg = schedulers_cfg.get("lr")
     if not lr_cfg:
         raise UserError(f"{OPT_KEY}.param_schedulers.lr is required (e.g. name: constant, value: 0.1)")
-    lr_scheduler, interval = build_lr_scheduler(lr_cfg, num_epochs, global_batch_size)
+    lr_scheduler, interval = build_lr_scheduler(lr_cfg, num_epochs, global_batch_size, num_nodes)
 
     larc = parse_larc_config(cfg.get("larc_config") or {}) if cfg.get("use_larc", False) else None
     optimizer = SSLOptimizer(

@@ -176,7 +176,7 @@ def _multiply(cfg: Dict[str, Any], factor: float) -> None:
             cfg[key] = float(value) * factor
 
 
-def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int) -> Dict[str, Any]:
+def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int, num_nodes: int = 1) -> Dict[str, Any]:
     """A copy of ``lr_cfg`` with VISSL's auto_lr_scaling applied (unchanged when off).
 
     With ``auto_lr_scaling.auto_scale``, the reference rate ``base_value`` (meant for a
@@ -190,8 +190,12 @@ def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int) -> Dict
     multiplied by ``scaled_lr / peak``. For the usual configs, whose peak equals
     ``base_value``, that is multiplying every value by the batch-size factor. A cosine
     start_value becomes scaled_lr and its end_value keeps its ratio to start_value; the
-    multistep values become scaled_lr times their decay; a linear warm-up ends at
-    scaled_lr and starts at the same fraction of it as before.
+    multistep values become scaled_lr times their decay.
+
+    A linear warm-up inside a composite schedule is resolved as VISSL resolves it (see
+    :func:`_resolve_linear_warmup`): it ends at scaled_lr and starts at the lr scaled for one
+    node's batch (``global_batch_size / num_nodes``), so on a single node, where the two are
+    equal, the warm-up is left out.
     """
     cfg = _plain(lr_cfg)
     auto = cfg.get("auto_lr_scaling") or {}
@@ -220,7 +224,52 @@ def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int) -> Dict
         "lr base_value %.6g -> scaled lr %.6g (schedule peak %.6g -> %.6g)",
         scaling_type, global_batch_size, base_bs, factor, base_value, scaled_lr, peak, scaled_lr,
     )
+    if cfg.get("name") == "composite":
+        node_ratio = global_batch_size / max(1, int(num_nodes)) / float(base_bs)
+        node_lr = base_value * (math.sqrt(node_ratio) if scaling_type == "sqrt" else node_ratio)
+        cfg = _resolve_linear_warmup(cfg, node_lr, int(num_nodes))
     return cfg
+
+
+def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int) -> Dict[str, Any]:
+    """VISSL's rule for the linear warm-up of an auto-scaled composite schedule.
+
+    Goyal et al.'s warm-up ramps from the lr of one node's batch to the lr of the global
+    batch. So every ``linear`` child starts at ``node_lr`` (and ends at scaled_lr, set by
+    the scaling). On one node the ramp would start where it ends, and the child is dropped;
+    if one child is left it becomes the whole schedule (over all of training), otherwise
+    the dropped child's share of ``lengths`` goes to the others in proportion. VISSL uses
+    the linear per-node factor even with ``scaling_type: sqrt``, which turns the warm-up
+    into a decay when the batch is above ``base_lr_batch_size``; here the per-node lr
+    follows ``scaling_type`` like the global one. As in VISSL, a child is dropped only on
+    one node and only when it would not rise (start at or below its end).
+    """
+    children = cfg.get("schedulers") or []
+    drop = None
+    for i, child in enumerate(children):
+        if child.get("name") == "linear":
+            child["start_value"] = node_lr
+            if num_nodes == 1 and node_lr <= float(child.get("end_value", 0.0)) * (1 + 1e-9):
+                drop = i
+    if drop is None:
+        return cfg
+    logger.info(
+        "auto_lr_scaling: one node: the linear warm-up %s.schedulers[%d] would start at its end value "
+        "(%.6g), so it is left out, as VISSL does", LR_KEY, drop, node_lr,
+    )
+    children = [c for i, c in enumerate(children) if i != drop]
+    if len(children) == 1:
+        kept = {k: cfg[k] for k in ("update_interval", "auto_lr_scaling") if k in cfg}
+        return {**children[0], **kept}
+    out = dict(cfg, schedulers=children)
+    lengths = list(cfg.get("lengths") or [])
+    if len(lengths) == len(children) + 1:
+        rest = [float(v) for i, v in enumerate(lengths) if i != drop]
+        out["lengths"] = [v / sum(rest) for v in rest] if sum(rest) > 0 else rest
+    scaling = list(cfg.get("interval_scaling") or [])
+    if len(scaling) == len(children) + 1:
+        out["interval_scaling"] = [v for i, v in enumerate(scaling) if i != drop]
+    return out
 
 
 def _plain(cfg: Any) -> Any:
@@ -233,11 +282,11 @@ def _plain(cfg: Any) -> Any:
 
 
 def build_lr_scheduler(
-    lr_cfg: Mapping[str, Any], num_epochs: int, global_batch_size: int
+    lr_cfg: Mapping[str, Any], num_epochs: int, global_batch_size: int, num_nodes: int = 1
 ) -> Tuple[ParamScheduler, str]:
     """The (auto-scaled) lr schedule and its update interval ('step' or 'epoch')."""
     interval = lr_cfg.get("update_interval", "epoch")
     if interval not in UPDATE_INTERVALS:
         raise UserError(f"{LR_KEY}.update_interval={interval!r} is not valid; use one of {', '.join(UPDATE_INTERVALS)}")
-    scaled = scale_lr_schedule(lr_cfg, global_batch_size)
+    scaled = scale_lr_schedule(lr_cfg, global_batch_size, num_nodes)
     return build_param_scheduler(scaled, num_epochs), interval

@@ -187,7 +187,8 @@ class SelfSupervisionTask(ClassyTask):
             global_bs = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * self.world_size
             from ssl_engine.optim import build_optimizer
 
-            self.optimizer = build_optimizer(cfg.OPTIMIZER, self.base_model, global_bs, self.iters_per_epoch)
+            self.optimizer = build_optimizer(cfg.OPTIMIZER, self.base_model, global_bs, self.iters_per_epoch,
+                                             num_nodes=max(1, int(cfg.DISTRIBUTED.NUM_NODES)))
         self._setup_amp()
 
     def init_weights(self) -> None:

@@ -14,9 +14,10 @@ so every sample index is written exactly once.
 A preemption signal (SIGTERM, SIGUSR1; see ssl_engine.preemption) stops the extraction after
 the batch in hand: the shards already on disk stay complete, the split's status stays
 "running" (readers refuse it) and the process ends with PREEMPTED_EXIT_CODE; rerunning the
-command extracts the split again. Each rank reads its own flag (the launcher, torchrun and
-SLURM signal every rank), as ranks run different numbers of batches and could not agree on
-it with a per-batch collective.
+command extracts the split again. Each rank reads its own flag between batches (ranks run
+different numbers of batches, so they cannot agree on it with a per-batch collective) and
+the ranks agree at the split's end, in the gather of their sample counts: a rank that had
+already finished its share stops with the others instead of failing on a vanished peer.
 """
 
 import copy
@@ -179,10 +180,17 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     writer = ShardWriter(folder, task.rank, split, cfg.EXTRACT_FEATURES.CHUNK_THRESHOLD)
     batches = iter(loader)
     try:
-        _write_features(task, split, batches, writer)
+        stopped = _write_features(task, split, batches, writer)
     finally:
         stop_workers(batches)  # now, also on an error (see stop_workers)
-    counts = du.all_gather_object(writer.num_samples)  # every rank's shards are on disk past this point
+    # every rank's shards are on disk past this point
+    gathered = du.all_gather_object((writer.num_samples, stopped))
+    if any(stop for _, stop in gathered):
+        raise preemption.Preempted(
+            f"stopped extracting {split.lower()} features on a preemption signal after {sum(n for n, _ in gathered)} "
+            f"samples; rerun the same command to extract them again"
+        )
+    counts = [n for n, _ in gathered]
     layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
     if du.is_primary():
         write_extraction_status(folder, split, "complete", samples=int(sum(counts)), layers=layers)
@@ -197,8 +205,9 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     }
 
 
-def _write_features(task: Any, split: str, batches: Any, writer: Any) -> None:
-    """Run every batch through the model and hand its features to ``writer``."""
+def _write_features(task: Any, split: str, batches: Any, writer: Any) -> bool:
+    """Run every batch through the model and hand its features to ``writer``; True when a
+    preemption signal stopped it before the end of the data."""
     cfg = task.config
     non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
     model = task.base_model
@@ -216,11 +225,9 @@ def _write_features(task: Any, split: str, batches: Any, writer: Any) -> None:
                 feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
             arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
             writer.add(arrays, _targets(batch, len(inds)), inds)
-            if preemption.requested():  # the writer drops its buffer; the chunks already written stay
-                raise preemption.Preempted(
-                    f"stopped extracting {split.lower()} features on a preemption signal after {writer.num_samples} "
-                    f"samples on rank {task.rank}; rerun the same command to extract them again"
-                )
+            if preemption.requested():
+                return True
+    return False
 
 
 def log_summary(summaries: List[Dict[str, Any]], source: str) -> None:

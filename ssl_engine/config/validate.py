@@ -330,6 +330,30 @@ def check_ranges(cfg: Dict[str, Any]) -> None:
             )
 
 
+def without_unextracted_splits(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """For an extract_features run, ``cfg`` with the DATA splits that EXTRACT_FEATURES.SPLITS
+    leaves out reset to their defaults (no DATA_SOURCES); ``cfg`` itself otherwise.
+
+    An extraction reads only the splits it is asked for, so the checks of the others (their
+    paths, names, ranges, datasets) must not fire: ``EXTRACT_FEATURES.SPLITS=[TRAIN]`` runs a
+    config whose TEST data is elsewhere. An empty SPLITS asks for every split with data. Works
+    on plain dicts and AttrDicts alike; ``cfg`` is never modified.
+    """
+    if cfg.get("engine_name") != "extract_features":
+        return cfg
+    asked = {str(s).upper() for s in cfg["EXTRACT_FEATURES"]["SPLITS"]}
+    left_out = [s for s in ("TRAIN", "TEST") if asked and s not in asked]
+    if not left_out:
+        return cfg
+    from ssl_engine.config.compose import load_defaults
+
+    data_defaults = load_defaults()["config"]["DATA"]
+    out = copy.deepcopy(cfg)
+    for s in left_out:
+        out["DATA"][s] = type(out["DATA"])(data_defaults[s])  # an AttrDict stays one all the way down
+    return out
+
+
 def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -409,7 +433,7 @@ def validate(
         raise ConfigError("; ".join([unknown_key_message(k, known, added_hint=False) for k in walker.unknown] + walker.wrong))
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
-    check_ranges(cfg)
+    check_ranges(without_unextracted_splits(cfg))
     if warn_unused:
         for key in walker.compat_set:
             log.warning("config key %s is accepted for VISSL configs but not acted on by ssl_engine", key)

@@ -434,6 +434,38 @@ def test_vissl_older_hook_keys_are_read_at_their_016_place(tmp_path, caplog):
         compose([f"config={typo}"])
 
 
+@pytest.mark.parametrize("override, old, new, value", [
+    ("config.MONITOR_PERF_STATS=true", "config.MONITOR_PERF_STATS", "config.HOOKS.PERF_STATS.MONITOR_PERF_STATS", True),
+    ("config.PERF_STAT_FREQUENCY=40", "config.PERF_STAT_FREQUENCY", "config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY", 40),
+    ("config.ROLLING_BTIME_FREQ=313", "config.ROLLING_BTIME_FREQ", "config.HOOKS.PERF_STATS.ROLLING_BTIME_FREQ", 313),
+    ("config.TENSORBOARD_SETUP.USE_TENSORBOARD=true", "config.TENSORBOARD_SETUP",
+     "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD", True),
+    ("config.MODEL.MODEL_COMPLEXITY.COMPUTE_COMPLEXITY=true", "config.MODEL.MODEL_COMPLEXITY",
+     "config.HOOKS.MODEL_COMPLEXITY.COMPUTE_COMPLEXITY", True),
+    ("config.MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH=50", "config.MODEL.TRUNK.TRUNK_PARAMS",
+     "config.MODEL.TRUNK.RESNETS.DEPTH", 50),
+    ("config.MODEL.TRUNK.TRUNK_PARAMS={RESNETS:{DEPTH:34}}", "config.MODEL.TRUNK.TRUNK_PARAMS",
+     "config.MODEL.TRUNK.RESNETS.DEPTH", 34),
+])
+def test_vissl_older_keys_as_overrides_are_read_at_their_016_place(override, old, new, value, caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = compose([QUICK, override])
+    node = cfg
+    for part in new.split(".")[1:]:
+        node = node[part]
+    assert node == value
+    assert f"{old} is VISSL's older layout; read as config." in caplog.text  # the warning a yaml file's key gives
+
+
+def test_an_older_key_override_wins_over_the_same_key_in_the_file(tmp_path, caplog):
+    path = write_yaml(tmp_path, "older.yaml", "# @package _global_\nconfig:\n  PERF_STAT_FREQUENCY: 40\n")
+    cfg = compose([f"config={path}", "config.PERF_STAT_FREQUENCY=7"])
+    assert cfg.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY == 7
+    with pytest.raises(ConfigError, match=r"config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBORD \(closest: "
+                                          r"config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD\)"):
+        compose([QUICK, "config.TENSORBOARD_SETUP.USE_TENSORBORD=true"])
+
+
 def test_vissl_config_shapes_read_as_vissl_does(tmp_path, caplog):
     path = write_yaml(tmp_path, "vissl_shapes.yaml", """\
         # @package _global_
@@ -479,8 +511,9 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs(tmp_path):
     path = write_yaml(tmp_path, "misplaced.yaml", "# @package _global_\nconfig:\n  CHECKPOINT_FREQUENCY: 2\n")
     with pytest.raises(ConfigError, match=r"unknown config key config.CHECKPOINT_FREQUENCY \(closest: config.CHECKPOINT.CHECKPOINT_FREQUENCY\)"):
         compose([f"config={path}"])
-    with pytest.raises(ConfigError, match=r"config.PERF_STAT_FREQUENCY \(closest: config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY\)"):
-        compose([QUICK, "config.PERF_STAT_FREQUENCY=3"])
+    with pytest.raises(ConfigError, match=r"config.DATA.BATCHSIZE_PER_REPLICA \(closest: config.DATA.TEST.BATCHSIZE_PER_REPLICA, "
+                                          r"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA"):
+        compose([QUICK, "config.DATA.BATCHSIZE_PER_REPLICA=3"])
     # an unknown name is reported at its exact key (split and position)
     from ssl_engine.engines.run import load_builtin_parts
     from ssl_engine.config.validate import check_registered_names

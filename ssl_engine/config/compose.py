@@ -21,7 +21,13 @@ import yaml
 from omegaconf import OmegaConf
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.config.validate import flatten_keys, keys_beyond_defaults, unknown_key_message, validate
+from ssl_engine.config.validate import (
+    flatten_keys,
+    is_older_layout_key,
+    keys_beyond_defaults,
+    unknown_key_message,
+    validate,
+)
 from ssl_engine.errors import ConfigError, closest
 
 log = logging.getLogger(__name__)
@@ -382,6 +388,11 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 hydra_overrides.append(f"{key}={option}")
                 continue
             _check_override_grammar(item)
+            if is_older_layout_key(key):
+                # not in the defaults, so hydra wants '+' (or, when the experiment file has the
+                # key, no '+'): '++' is both; validate() then moves it as it moves a yaml file's
+                hydra_overrides.append(f"++{key}={value}")
+                continue
             if key.startswith("+"):
                 added_keys.append(key.lstrip("+"))
             hydra_overrides.append(f"{key}={value}")

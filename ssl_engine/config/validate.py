@@ -372,6 +372,22 @@ MOVED_KEYS = {
 }
 
 
+# The older layout's trunk options: MODEL.TRUNK.TRUNK_PARAMS.<X>, read as MODEL.TRUNK.<X>.
+TRUNK_PARAMS_PATH = ("MODEL", "TRUNK", "TRUNK_PARAMS")
+
+
+def is_older_layout_key(key: str) -> bool:
+    """Whether ``key`` (``config.MONITOR_PERF_STATS``, ``config.MODEL.TRUNK.TRUNK_PARAMS.RESNETS``,
+    ...) lies at or under a place of VISSL's older layout that :func:`_upgrade_older_layout`
+    reads at its 0.1.6 place; a command-line override of one is composed where it is written
+    and moved from there, as the same key in a yaml file is."""
+    for old in [*MOVED_KEYS, TRUNK_PARAMS_PATH]:
+        place = "config." + ".".join(old)
+        if key == place or key.startswith(place + "."):
+            return True
+    return False
+
+
 def _node(root: Dict[str, Any], path: Iterable[str]) -> Any:
     node: Any = root
     for key in path:
@@ -397,9 +413,9 @@ def _upgrade_older_layout(root: Dict[str, Any]) -> None:
     cfg = root.get("config")
     if not isinstance(cfg, dict):
         return
-    trunk = _node(cfg, ("MODEL", "TRUNK"))
-    if isinstance(trunk, dict) and "TRUNK_PARAMS" in trunk:
-        old = trunk.pop("TRUNK_PARAMS")
+    trunk = _node(cfg, TRUNK_PARAMS_PATH[:-1])
+    if isinstance(trunk, dict) and TRUNK_PARAMS_PATH[-1] in trunk:
+        old = trunk.pop(TRUNK_PARAMS_PATH[-1])
         if old is not None:
             if not isinstance(old, dict):
                 raise ConfigError(f"config.MODEL.TRUNK.TRUNK_PARAMS={show_value(old)} has the wrong type: expected mapping")

@@ -165,6 +165,83 @@ def test_config_abs_path_and_missing_names(tmp_path):
         compose(["config="])
 
 
+@pytest.mark.parametrize("body, expected", [
+    ("", "is empty"),
+    ("# @package _global_\n# nothing yet\n", "is empty"),
+    ("# @package _global_\nconfig:\n", "its 'config:' section is empty"),
+    ("# @package _global_\nengine_name: train\n", "has no 'config:' section"),
+])
+def test_an_experiment_file_without_options_is_named(tmp_path, body, expected):
+    path = tmp_path / "empty.yaml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=rf"^config file {path}:? {expected}"):
+        compose([f"config={path}"])
+
+
+def test_the_tool_names_an_empty_experiment_file(tmp_path):
+    from conftest import run_tool
+
+    path = tmp_path / "empty.yaml"
+    path.write_text("# @package _global_\n")
+    proc = run_tool([f"config={path}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: config file {path} is empty (nothing but comments, if anything): "
+                                                f"an experiment file puts its options under 'config:'"]
+
+
+def test_config_naming_a_folder_says_so_and_lists_its_yaml_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 7\n")
+    (tmp_path / "b.yml").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=rf"^config={tmp_path} is a folder \({tmp_path}\), not a yaml file; "
+                                          rf"name one of its yaml files: config={tmp_path}/a\.yaml, config={tmp_path}/b\.yml$"):
+        compose([f"config={tmp_path}"])
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ConfigError, match=r"is a folder .*; it holds no yaml files$"):
+        compose([f"config={tmp_path / 'none'}"])
+    # a folder of the config search path lists experiment names, as config= takes them
+    with pytest.raises(ConfigError, match=r"^config=quick is a folder .*configs/config/quick\), not a yaml file; "
+                                          r"name one of its yaml files: .*config=quick/supervised_digits"):
+        compose(["config=quick"])
+
+
+def test_a_missing_overlay_names_the_search_path_and_ssl_engine_config_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("SSL_ENGINE_CONFIG_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"matches no file rn51\.yaml under .*; the search path is "
+                                          r"\$SSL_ENGINE_CONFIG_DIR/config, \./configs/config, then the package's "
+                                          r"configs/config; SSL_ENGINE_CONFIG_DIR is not set \(set it to a folder "
+                                          r"holding config/feature_extraction/trunk_only/rn51\.yaml\)$"):
+        compose([QUICK, "+config/feature_extraction/trunk_only=rn51"])
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))  # no config/ folder in it
+    with pytest.raises(ConfigError, match=rf"SSL_ENGINE_CONFIG_DIR={tmp_path} was left out: it has no config/ folder$"):
+        compose([QUICK, "+config/feature_extraction/trunk_only=rn51"])
+
+
+def test_a_missing_defaults_entry_names_the_file_the_entry_and_where_it_was_searched(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path, "mine.yaml", """\
+        # @package _global_
+        defaults:
+          - /config/quick/supervised_digit
+          - _self_
+        config:
+          LOG_FREQUENCY: 7
+        """)
+    repo_configs = Path(__file__).resolve().parents[1] / "configs"
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={path}"])
+    assert str(e.value) == (
+        f"config file {path}: its defaults: entry config/quick/supervised_digit matches no file "
+        f"config/quick/supervised_digit.yaml under {repo_configs}; nearest in config/quick/: supervised_digits, simclr_digits "
+        f"(entries are paths below these folders, e.g. /config/quick/simclr_digits)")
+    # the same in a file of the search path, named by its place there
+    (tmp_path / "config" / "mine").mkdir(parents=True)
+    (tmp_path / "config" / "mine" / "exp.yaml").write_text(path.read_text())
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path}/config/mine/exp\.yaml: its defaults: entry "
+                                          rf"config/quick/supervised_digit matches no file"):
+        compose(["config=mine/exp"])
+
+
 def test_compat_key_warns_once_naming_it(caplog):
     key = "config.DATA.TRAIN.COPY_TO_LOCAL_DISK"
     assert key in compat_keys()

@@ -137,12 +137,19 @@ def test_wrong_types_name_key_value_and_expected_type(override, expected):
         ("config.LOG_FREQUENCY=0", "config.LOG_FREQUENCY=0 is out of range"),
         ("config.CHECKPOINT.DIR=", "config.CHECKPOINT.DIR='' is out of range: expected a folder path"),
         ("config.DISTRIBUTED.NUM_PROC_PER_NODE=0", "config.DISTRIBUTED.NUM_PROC_PER_NODE=0 is out of range"),
+        # one process, no conversion asked for: still checked
+        ("config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=nccl",
+         "config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE='nccl' is out of range: expected one of pytorch, apex"),
     ],
 )
 def test_out_of_range_values(override, expected):
     with pytest.raises(ConfigError) as e:
         compose([QUICK, override])
     assert expected in str(e.value)
+
+
+def test_sync_bn_type_is_read_as_the_model_reads_it():
+    assert compose([QUICK, "config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=APEX"]).MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE == "APEX"
 
 
 def test_plus_adds_a_key_but_not_one_that_exists(caplog):

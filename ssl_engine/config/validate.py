@@ -296,6 +296,8 @@ _RANGES = [
     ("CHECKPOINT.KEEP_LAST", lambda v: v == -1 or v > 0, "-1 (all) or an integer > 0"),
     ("CHECKPOINT.BACKEND", lambda v: v == "disk", "disk"),
     ("MODEL.AMP_PARAMS.AMP_TYPE", lambda v: v in ("pytorch", "apex"), "one of pytorch, apex"),
+    # checked here, not only where a multi-rank run converts its BatchNorms (models.convert_sync_batchnorm)
+    ("MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE", lambda v: v.lower() in ("pytorch", "apex"), "one of pytorch, apex"),
     ("MODEL.AMP_PARAMS.AMP_DTYPE", lambda v: v in ("auto", "float16", "bfloat16"), "one of auto, float16, bfloat16"),
     ("MODEL.INPUT_TYPE", lambda v: v in ("rgb", "bgr", "gray", "lab"), "one of rgb, bgr (3 channels), gray, lab (1)"),
     ("EXTRACT_FEATURES.CHUNK_THRESHOLD", lambda v: v >= 0, "an integer >= 0 (0 = default)"),

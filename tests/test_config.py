@@ -454,6 +454,38 @@ def test_forked_compose_reports_config_errors_and_recomposes_what_the_child_coul
     assert proc.returncode == 0 and proc.stdout.strip().splitlines() == ["ok"], (proc.stdout, proc.stderr[-2000:])
 
 
+def test_forked_compose_logs_each_compose_warning_once():
+    """The child's compose warnings reach the console once, through the parent; when the parent
+    composes again itself (the child failed), only the parent's own warnings are shown."""
+    proc = _run_without_torch("""
+        import os
+        from ssl_engine.config import forked_compose
+        from ssl_engine.errors import UserError
+        from ssl_engine.logger import setup_logging
+        setup_logging(0, None)
+        warns = ['config=quick/simclr_synthetic', 'config.MONITOR_PERF_STATS=true']  # VISSL's older layout: a warning
+        print('config', forked_compose.start(warns).result().HOOKS.PERF_STATS.MONITOR_PERF_STATS, flush=True)
+        try:
+            forked_compose.start(warns + ['config.LOG_FREQUENCY=0']).result()  # found after the warning
+        except UserError:
+            print('user error', flush=True)
+        parent, real = os.getpid(), forked_compose._compose
+        def compose_then_fail_in_the_child(overrides):
+            cfg = real(overrides)  # its warnings are logged here
+            if os.getpid() != parent:
+                raise RuntimeError('child failed after composing')
+            return cfg
+        forked_compose._compose = compose_then_fail_in_the_child
+        print('retry', forked_compose.start(warns).result().HOOKS.PERF_STATS.MONITOR_PERF_STATS, flush=True)
+    """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = [line for line in proc.stdout.splitlines() if "MONITOR_PERF_STATS is VISSL's older layout" in line or
+           line in ("config True", "user error", "retry True")]
+    warning = "config.MONITOR_PERF_STATS is VISSL's older layout; read as config.HOOKS.PERF_STATS.MONITOR_PERF_STATS"
+    assert [line if line in ("config True", "user error", "retry True") else warning for line in out] == [
+        warning, "config True", warning, "user error", warning, "retry True"], proc.stdout
+
+
 def test_the_tool_reports_a_config_mistake_without_waiting_for_torch(tmp_path):
     """Through the tool (composing in a child while the process imports torch), a config
     mistake is one line and exit code 2, and the process ends from the watcher thread as soon

@@ -111,7 +111,7 @@ def prepare_config(overrides: List[str], tool_process: bool = False):
         cfg = compose(overrides)
         start_forkserver_early(cfg)
 
-    from ssl_engine.config.validate import check_data_paths, check_registered_names
+    from ssl_engine.config.validate import check_data_paths, check_registered_names, without_unextracted_splits
     from ssl_engine.user_modules import import_user_modules
 
     try:
@@ -125,8 +125,9 @@ def prepare_config(overrides: List[str], tool_process: bool = False):
     if pending is not None:
         cfg = pending.result()
     import_user_modules(cfg.USER_MODULES)
-    check_registered_names(cfg)
-    check_data_paths(cfg)
+    used = without_unextracted_splits(cfg)  # an extraction's left-out splits are not checked
+    check_registered_names(used)
+    check_data_paths(used)
     return cfg
 
 

@@ -137,12 +137,19 @@ def test_wrong_types_name_key_value_and_expected_type(override, expected):
         ("config.LOG_FREQUENCY=0", "config.LOG_FREQUENCY=0 is out of range"),
         ("config.CHECKPOINT.DIR=", "config.CHECKPOINT.DIR='' is out of range: expected a folder path"),
         ("config.DISTRIBUTED.NUM_PROC_PER_NODE=0", "config.DISTRIBUTED.NUM_PROC_PER_NODE=0 is out of range"),
+        # one process, no conversion asked for: still checked
+        ("config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=nccl",
+         "config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE='nccl' is out of range: expected one of pytorch, apex"),
     ],
 )
 def test_out_of_range_values(override, expected):
     with pytest.raises(ConfigError) as e:
         compose([QUICK, override])
     assert expected in str(e.value)
+
+
+def test_sync_bn_type_is_read_as_the_model_reads_it():
+    assert compose([QUICK, "config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=APEX"]).MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE == "APEX"
 
 
 def test_plus_adds_a_key_but_not_one_that_exists(caplog):
@@ -163,6 +170,83 @@ def test_config_abs_path_and_missing_names(tmp_path):
         compose([f"config={tmp_path / 'mne.yaml'}"])
     with pytest.raises(ConfigError, match="config= is empty"):
         compose(["config="])
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("", "is empty"),
+    ("# @package _global_\n# nothing yet\n", "is empty"),
+    ("# @package _global_\nconfig:\n", "its 'config:' section is empty"),
+    ("# @package _global_\nengine_name: train\n", "has no 'config:' section"),
+])
+def test_an_experiment_file_without_options_is_named(tmp_path, body, expected):
+    path = tmp_path / "empty.yaml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=rf"^config file {path}:? {expected}"):
+        compose([f"config={path}"])
+
+
+def test_the_tool_names_an_empty_experiment_file(tmp_path):
+    from conftest import run_tool
+
+    path = tmp_path / "empty.yaml"
+    path.write_text("# @package _global_\n")
+    proc = run_tool([f"config={path}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: config file {path} is empty (nothing but comments, if anything): "
+                                                f"an experiment file puts its options under 'config:'"]
+
+
+def test_config_naming_a_folder_says_so_and_lists_its_yaml_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 7\n")
+    (tmp_path / "b.yml").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=rf"^config={tmp_path} is a folder \({tmp_path}\), not a yaml file; "
+                                          rf"name one of its yaml files: config={tmp_path}/a\.yaml, config={tmp_path}/b\.yml$"):
+        compose([f"config={tmp_path}"])
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ConfigError, match=r"is a folder .*; it holds no yaml files$"):
+        compose([f"config={tmp_path / 'none'}"])
+    # a folder of the config search path lists experiment names, as config= takes them
+    with pytest.raises(ConfigError, match=r"^config=quick is a folder .*configs/config/quick\), not a yaml file; "
+                                          r"name one of its yaml files: .*config=quick/supervised_digits"):
+        compose(["config=quick"])
+
+
+def test_a_missing_overlay_names_the_search_path_and_ssl_engine_config_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("SSL_ENGINE_CONFIG_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"matches no file rn51\.yaml under .*; the search path is "
+                                          r"\$SSL_ENGINE_CONFIG_DIR/config, \./configs/config, then the package's "
+                                          r"configs/config; SSL_ENGINE_CONFIG_DIR is not set \(set it to a folder "
+                                          r"holding config/feature_extraction/trunk_only/rn51\.yaml\)$"):
+        compose([QUICK, "+config/feature_extraction/trunk_only=rn51"])
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))  # no config/ folder in it
+    with pytest.raises(ConfigError, match=rf"SSL_ENGINE_CONFIG_DIR={tmp_path} was left out: it has no config/ folder$"):
+        compose([QUICK, "+config/feature_extraction/trunk_only=rn51"])
+
+
+def test_a_missing_defaults_entry_names_the_file_the_entry_and_where_it_was_searched(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path, "mine.yaml", """\
+        # @package _global_
+        defaults:
+          - /config/quick/supervised_digit
+          - _self_
+        config:
+          LOG_FREQUENCY: 7
+        """)
+    repo_configs = Path(__file__).resolve().parents[1] / "configs"
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={path}"])
+    assert str(e.value) == (
+        f"config file {path}: its defaults: entry config/quick/supervised_digit matches no file "
+        f"config/quick/supervised_digit.yaml under {repo_configs}; nearest in config/quick/: supervised_digits, simclr_digits "
+        f"(entries are paths below these folders, e.g. /config/quick/simclr_digits)")
+    # the same in a file of the search path, named by its place there
+    (tmp_path / "config" / "mine").mkdir(parents=True)
+    (tmp_path / "config" / "mine" / "exp.yaml").write_text(path.read_text())
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path}/config/mine/exp\.yaml: its defaults: entry "
+                                          rf"config/quick/supervised_digit matches no file"):
+        compose(["config=mine/exp"])
 
 
 def test_compat_key_warns_once_naming_it(caplog):
@@ -370,6 +454,38 @@ def test_forked_compose_reports_config_errors_and_recomposes_what_the_child_coul
     assert proc.returncode == 0 and proc.stdout.strip().splitlines() == ["ok"], (proc.stdout, proc.stderr[-2000:])
 
 
+def test_forked_compose_logs_each_compose_warning_once():
+    """The child's compose warnings reach the console once, through the parent; when the parent
+    composes again itself (the child failed), only the parent's own warnings are shown."""
+    proc = _run_without_torch("""
+        import os
+        from ssl_engine.config import forked_compose
+        from ssl_engine.errors import UserError
+        from ssl_engine.logger import setup_logging
+        setup_logging(0, None)
+        warns = ['config=quick/simclr_synthetic', 'config.MONITOR_PERF_STATS=true']  # VISSL's older layout: a warning
+        print('config', forked_compose.start(warns).result().HOOKS.PERF_STATS.MONITOR_PERF_STATS, flush=True)
+        try:
+            forked_compose.start(warns + ['config.LOG_FREQUENCY=0']).result()  # found after the warning
+        except UserError:
+            print('user error', flush=True)
+        parent, real = os.getpid(), forked_compose._compose
+        def compose_then_fail_in_the_child(overrides):
+            cfg = real(overrides)  # its warnings are logged here
+            if os.getpid() != parent:
+                raise RuntimeError('child failed after composing')
+            return cfg
+        forked_compose._compose = compose_then_fail_in_the_child
+        print('retry', forked_compose.start(warns).result().HOOKS.PERF_STATS.MONITOR_PERF_STATS, flush=True)
+    """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = [line for line in proc.stdout.splitlines() if "MONITOR_PERF_STATS is VISSL's older layout" in line or
+           line in ("config True", "user error", "retry True")]
+    warning = "config.MONITOR_PERF_STATS is VISSL's older layout; read as config.HOOKS.PERF_STATS.MONITOR_PERF_STATS"
+    assert [line if line in ("config True", "user error", "retry True") else warning for line in out] == [
+        warning, "config True", warning, "user error", warning, "retry True"], proc.stdout
+
+
 def test_the_tool_reports_a_config_mistake_without_waiting_for_torch(tmp_path):
     """Through the tool (composing in a child while the process imports torch), a config
     mistake is one line and exit code 2, and the process ends from the watcher thread as soon
@@ -434,6 +550,38 @@ def test_vissl_older_hook_keys_are_read_at_their_016_place(tmp_path, caplog):
         compose([f"config={typo}"])
 
 
+@pytest.mark.parametrize("override, old, new, value", [
+    ("config.MONITOR_PERF_STATS=true", "config.MONITOR_PERF_STATS", "config.HOOKS.PERF_STATS.MONITOR_PERF_STATS", True),
+    ("config.PERF_STAT_FREQUENCY=40", "config.PERF_STAT_FREQUENCY", "config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY", 40),
+    ("config.ROLLING_BTIME_FREQ=313", "config.ROLLING_BTIME_FREQ", "config.HOOKS.PERF_STATS.ROLLING_BTIME_FREQ", 313),
+    ("config.TENSORBOARD_SETUP.USE_TENSORBOARD=true", "config.TENSORBOARD_SETUP",
+     "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD", True),
+    ("config.MODEL.MODEL_COMPLEXITY.COMPUTE_COMPLEXITY=true", "config.MODEL.MODEL_COMPLEXITY",
+     "config.HOOKS.MODEL_COMPLEXITY.COMPUTE_COMPLEXITY", True),
+    ("config.MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH=50", "config.MODEL.TRUNK.TRUNK_PARAMS",
+     "config.MODEL.TRUNK.RESNETS.DEPTH", 50),
+    ("config.MODEL.TRUNK.TRUNK_PARAMS={RESNETS:{DEPTH:34}}", "config.MODEL.TRUNK.TRUNK_PARAMS",
+     "config.MODEL.TRUNK.RESNETS.DEPTH", 34),
+])
+def test_vissl_older_keys_as_overrides_are_read_at_their_016_place(override, old, new, value, caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = compose([QUICK, override])
+    node = cfg
+    for part in new.split(".")[1:]:
+        node = node[part]
+    assert node == value
+    assert f"{old} is VISSL's older layout; read as config." in caplog.text  # the warning a yaml file's key gives
+
+
+def test_an_older_key_override_wins_over_the_same_key_in_the_file(tmp_path, caplog):
+    path = write_yaml(tmp_path, "older.yaml", "# @package _global_\nconfig:\n  PERF_STAT_FREQUENCY: 40\n")
+    cfg = compose([f"config={path}", "config.PERF_STAT_FREQUENCY=7"])
+    assert cfg.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY == 7
+    with pytest.raises(ConfigError, match=r"config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBORD \(closest: "
+                                          r"config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD\)"):
+        compose([QUICK, "config.TENSORBOARD_SETUP.USE_TENSORBORD=true"])
+
+
 def test_vissl_config_shapes_read_as_vissl_does(tmp_path, caplog):
     path = write_yaml(tmp_path, "vissl_shapes.yaml", """\
         # @package _global_
@@ -479,8 +627,9 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs(tmp_path):
     path = write_yaml(tmp_path, "misplaced.yaml", "# @package _global_\nconfig:\n  CHECKPOINT_FREQUENCY: 2\n")
     with pytest.raises(ConfigError, match=r"unknown config key config.CHECKPOINT_FREQUENCY \(closest: config.CHECKPOINT.CHECKPOINT_FREQUENCY\)"):
         compose([f"config={path}"])
-    with pytest.raises(ConfigError, match=r"config.PERF_STAT_FREQUENCY \(closest: config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY\)"):
-        compose([QUICK, "config.PERF_STAT_FREQUENCY=3"])
+    with pytest.raises(ConfigError, match=r"config.DATA.BATCHSIZE_PER_REPLICA \(closest: config.DATA.TEST.BATCHSIZE_PER_REPLICA, "
+                                          r"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA"):
+        compose([QUICK, "config.DATA.BATCHSIZE_PER_REPLICA=3"])
     # an unknown name is reported at its exact key (split and position)
     from ssl_engine.engines.run import load_builtin_parts
     from ssl_engine.config.validate import check_registered_names

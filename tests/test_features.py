@@ -409,6 +409,22 @@ def test_a_preemption_signal_stops_extraction_and_the_rerun_completes(pretrained
     np.testing.assert_array_equal(load_features(out, "train", "res5avg")["inds"], np.arange(n))
 
 
+@pytest.mark.parametrize("asked, other", [("TRAIN", "TEST"), ("TEST", "TRAIN")])
+def test_extraction_checks_and_builds_only_the_splits_it_is_asked_for(tmp_path: Path, asked: str, other: str) -> None:
+    # the split left out names data that is not on this machine, a path count that does not fit
+    # its sources and an unknown transform: none of it may stop extracting the split asked for
+    proc = tool(["config=quick/simclr_synthetic", "engine_name=extract_features", f"config.CHECKPOINT.DIR={tmp_path}",
+                 f"config.EXTRACT_FEATURES.SPLITS=[{asked}]", f"config.DATA.{asked}.DATA_SOURCES=[synthetic]",
+                 f"config.DATA.{asked}.LABEL_SOURCES=[synthetic]", f"config.DATA.{asked}.DATA_LIMIT=8",
+                 f"config.DATA.{asked}.BATCHSIZE_PER_REPLICA=4", f"config.DATA.{asked}.COLLATE_FUNCTION=default_collate",
+                 f"config.DATA.{asked}.TRANSFORMS=[{{name: ToTensor}}]",
+                 f"config.DATA.{other}.DATA_SOURCES=[disk_folder,disk_folder]",
+                 f"config.DATA.{other}.DATA_PATHS=[{tmp_path / 'not_here'}]",
+                 f"config.DATA.{other}.TRANSFORMS=[{{name: NoSuchTransform}}]"])
+    assert available(tmp_path) == [(asked.lower(), "heads")], proc.stdout[-2000:]
+    assert extraction_status(tmp_path, asked)["samples"] == 8
+
+
 def test_linear_eval_trains_heads_on_a_frozen_pretrained_trunk(pretrained: Path, tmp_path: Path) -> None:
     params_file = pretrained / "checkpoint.torch"
     tool(["config=benchmark/linear_eval_digits_resnet", f"config.CHECKPOINT.DIR={tmp_path}",

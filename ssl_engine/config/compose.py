@@ -21,7 +21,13 @@ import yaml
 from omegaconf import OmegaConf
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.config.validate import flatten_keys, keys_beyond_defaults, unknown_key_message, validate
+from ssl_engine.config.validate import (
+    flatten_keys,
+    is_older_layout_key,
+    keys_beyond_defaults,
+    unknown_key_message,
+    validate,
+)
 from ssl_engine.errors import ConfigError, closest
 
 log = logging.getLogger(__name__)
@@ -220,10 +226,18 @@ def read_yaml_file(path: Path) -> Any:
 _TOP_LEVEL = ("engine_name", "config", "defaults", "hydra")
 
 
-def _check_yaml_file(path: Path) -> None:
-    """An experiment file must be well-formed yaml holding a mapping, with options under 'config:'."""
+def _check_yaml_file(path: Path, experiment: bool = False) -> None:
+    """An experiment file must be well-formed yaml holding a mapping, with options under 'config:'.
+
+    The file ``config=`` names (``experiment``) must also hold options, its own or its
+    ``defaults:`` list's: an empty one would run the bare defaults and fail later on a key
+    the file was meant to set, naming neither the file nor the cause.
+    """
     data = read_yaml_file(path)
     if data is None:
+        if experiment:
+            raise ConfigError(f"config file {path} is empty (nothing but comments, if anything): "
+                              f"an experiment file puts its options under 'config:'")
         return
     if not isinstance(data, dict):
         raise ConfigError(
@@ -237,6 +251,12 @@ def _check_yaml_file(path: Path) -> None:
                 f"config file {path}: unknown top-level key {key!r}; valid: {', '.join(_TOP_LEVEL)} "
                 f"(options go under 'config:'){hint}"
             )
+    if "config" in data and data["config"] is None:
+        raise ConfigError(f"config file {path}: its 'config:' section is empty; put the options under it "
+                          f"(indented), or remove the line")
+    if experiment and "config" not in data and "defaults" not in data:
+        raise ConfigError(f"config file {path} has no 'config:' section: an experiment file puts its options "
+                          f"under 'config:' (or names files to compose in 'defaults:')")
     if data.get("config") is not None and not isinstance(data["config"], dict):
         raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
     if isinstance(data.get("config"), dict):
@@ -290,7 +310,7 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
             near = closest(as_path.name, near, n=3)
             hint = f"; nearest in {as_path.parent}: {', '.join(near)}" if near else ""
             raise ConfigError(f"config={value}: no such file{hint}")
-        _check_yaml_file(as_path)
+        _check_yaml_file(as_path, experiment=True)
         # Present the user's file to hydra as an option of the `config` group.
         (tmp / "config").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(as_path, tmp / "config" / f"{_USER_FILE}.yaml")
@@ -299,14 +319,38 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
     for d in config_search_dirs():
         f = d / "config" / f"{name}.yaml"
         if f.is_file():
-            _check_yaml_file(f)
+            _check_yaml_file(f, experiment=True)
             return name, [], f
+    _refuse_folder(value, name)
     near = closest(name, known_experiments(), n=3)
     hint = f"; nearest: {', '.join(near)}" if near else ""
     dirs = ", ".join(str(d / "config") for d in config_search_dirs()) or "(no configs/config folder found)"
     raise ConfigError(f"config={value} matches no file under {dirs}{hint}")
 
 
+def _refuse_folder(value: str, name: str) -> None:
+    """``config=`` naming a folder (a path, or a folder of the config search path such as
+    ``quick``): say so, with the yaml files in it that it could name instead."""
+    name = os.path.normpath(name) if name else name
+    relative = bool(name) and not Path(name).expanduser().is_absolute()
+    in_search_path = [d / "config" / name for d in config_search_dirs() if relative and (d / "config" / name).is_dir()]
+    if in_search_path:  # named as experiments are (config=quick/simclr_digits); config folders are small
+        where = ", ".join(map(str, in_search_path))
+        prefix = "" if name == "." else f"{name}/"
+        names = sorted({f"{prefix}{p.relative_to(f).with_suffix('')}" for f in in_search_path for p in f.rglob("*.yaml")})
+    elif Path(value).expanduser().is_dir():  # named as a path (config=/any/path/file.yaml): its own files only
+        folder = Path(value).expanduser()
+        where = str(folder)
+        names = sorted(f"{value.rstrip('/')}/{p.name}" for p in folder.iterdir()
+                       if p.suffix in (".yaml", ".yml") and p.is_file())
+    else:
+        return
+    shown = ", ".join(f"config={n}" for n in names[:_FOLDER_LISTED]) + (", ..." if len(names) > _FOLDER_LISTED else "")
+    listing = f"; name one of its yaml files: {shown}" if names else "; it holds no yaml files"
+    raise ConfigError(f"config={value} is a folder ({where}), not a yaml file{listing}")
+
+
+_FOLDER_LISTED = 10
 _USER_FILE = "user_file"
 
 
@@ -323,7 +367,21 @@ def _resolve_overlay(group: str, value: str) -> Tuple[str, Path]:
     options = sorted({p.stem for d in config_search_dirs() if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
     dirs = ", ".join(str(d / group) for d in config_search_dirs())
     hint = f"; options there: {', '.join(options[:12])}" if options else ""
-    raise ConfigError(f"+{group}={value} matches no file {name}.yaml under {dirs}{hint}")
+    raise ConfigError(f"+{group}={value} matches no file {name}.yaml under {dirs}{hint}; "
+                      f"{search_path_note(f'{group}/{name}.yaml')}")
+
+
+def search_path_note(wanted: str) -> str:
+    """How the config search path is made, and what SSL_ENGINE_CONFIG_DIR adds to it (or why
+    the folder it names was left out): the part of a 'no such config' message that says where
+    else a file could go."""
+    env = os.environ.get("SSL_ENGINE_CONFIG_DIR")
+    order = "the search path is $SSL_ENGINE_CONFIG_DIR/config, ./configs/config, then the package's configs/config"
+    if not env:
+        return f"{order}; SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding {wanted})"
+    if not (Path(env).expanduser() / "config").is_dir():
+        return f"{order}; SSL_ENGINE_CONFIG_DIR={env} was left out: it has no config/ folder"
+    return f"{order}; SSL_ENGINE_CONFIG_DIR={env}"
 
 
 def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file: Optional[str] = None) -> dict:
@@ -339,6 +397,9 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file:
             cfg = hydra_compose(config_name="defaults", overrides=all_overrides)
             return OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:  # hydra/omegaconf raise many types on bad input; all of them are the input's fault
+        missing = _explain_missing_default(" ".join(str(e).split()), user_file)
+        if missing:
+            raise ConfigError(missing) from None
         msg = _explain_hydra_error(e)
         if user_file:
             msg = re.sub(r"\S*/config/" + _USER_FILE + r"\.yaml", user_file, msg)
@@ -346,6 +407,28 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file:
         raise ConfigError(msg) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _explain_missing_default(msg: str, user_file: Optional[str]) -> Optional[str]:
+    """hydra's "In 'config/x': Could not load 'config/y'." (an entry of a yaml file's
+    ``defaults:`` list that matches no file) as one line naming the yaml file, the entry and
+    the folders searched; None for any other error."""
+    m = re.match(r"In '([^']+)': Could not load '([^']+)'", msg)
+    if not m:
+        return None
+    parent, entry = m.groups()
+    if parent == f"config/{_USER_FILE}" and user_file:
+        where = user_file
+    else:
+        found = [d / f"{parent}.yaml" for d in config_search_dirs() if (d / f"{parent}.yaml").is_file()]
+        where = str(found[0]) if found else f"{parent}.yaml"
+    dirs = ", ".join(str(d) for d in config_search_dirs()) or "(no configs/config folder found)"
+    group, _, option = entry.rpartition("/")
+    options = sorted({p.stem for d in config_search_dirs() if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
+    near = closest(option, options, n=3)
+    hint = f"; nearest in {group}/: {', '.join(near)}" if near else ""
+    return (f"config file {where}: its defaults: entry {entry} matches no file {entry}.yaml under {dirs}{hint} "
+            f"(entries are paths below these folders, e.g. /config/quick/simclr_digits)")
 
 
 def _explain_hydra_error(e: Exception) -> str:
@@ -382,6 +465,11 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 hydra_overrides.append(f"{key}={option}")
                 continue
             _check_override_grammar(item)
+            if is_older_layout_key(key):
+                # not in the defaults, so hydra wants '+' (or, when the experiment file has the
+                # key, no '+'): '++' is both; validate() then moves it as it moves a yaml file's
+                hydra_overrides.append(f"++{key}={value}")
+                continue
             if key.startswith("+"):
                 added_keys.append(key.lstrip("+"))
             hydra_overrides.append(f"{key}={value}")

@@ -15,10 +15,15 @@ child could not do (a bug in composing, the child killed) is not guessed at: the
 composes the config again itself once its imports are done, so the error and its traceback
 come out exactly as without the child.
 
+The child's log records (compose warnings) are not written by the child: they travel with its
+answer and the parent logs them, so that each appears once also when the parent composes again
+(and logs its own); the records of a child that could not answer are dropped for that reason.
+
 Only for a process that has not imported torch yet and can fork (not on Windows); the caller
 falls back to composing in-process where :func:`start` returns None.
 """
 
+import logging
 import os
 import pickle
 import signal
@@ -43,23 +48,58 @@ def _flush_std_streams() -> None:
             pass
 
 
+# A log record as the child sends it: (logger name, level, message).
+Record = Tuple[str, int, str]
+
+
+class _HoldRecords(logging.Handler):
+    """Keeps the records logged in the child, to be sent to the parent with its answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: List[Record] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.name, record.levelno, record.getMessage()))
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is not worth failing for
+            self.handleError(record)
+
+
+def _hold_log_records() -> _HoldRecords:
+    """In the child: what is logged from now on is held for the parent, not written."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    held = _HoldRecords()
+    root.addHandler(held)
+    return held
+
+
+def _log_records(records: List[Record]) -> None:
+    """In the parent: log the child's records as if they had been logged here."""
+    for name, level, message in records:
+        logging.getLogger(name).log(level, "%s", message)
+
+
 def _child(overrides: List[str], write_fd: int) -> None:
-    """The forked child: compose, send ``(kind, value)`` to the parent, exit without cleanup."""
+    """The forked child: compose, send ``(kind, value, log records)`` to the parent, exit without cleanup."""
     code = 0
     try:
+        held = _hold_log_records()
         try:
-            payload: Tuple[str, Any] = ("config", _compose(overrides))
+            payload: Tuple[str, Any, List[Record]] = ("config", _compose(overrides), held.records)
         except UserError as e:
-            payload = ("user_error", str(e))
+            payload = ("user_error", str(e), held.records)
         except BaseException:  # noqa: B036 - a bug or Ctrl-C: the parent composes again and shows it
-            payload = ("retry", None)
+            payload = ("retry", None, [])  # the parent's compose logs the same records itself
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         with os.fdopen(write_fd, "wb") as pipe:
             pipe.write(data)
     except BaseException:  # noqa: B036 - nothing may escape a forked child
         code = 1
     finally:
-        _flush_std_streams()  # the compose warnings this child logged to the console
+        _flush_std_streams()  # anything printed (not logged) while composing
         os._exit(code)
 
 
@@ -73,7 +113,7 @@ class PendingConfig:
         self._read_fd = read_fd
         self._on_config = on_config
         self._exit_on_user_error = exit_on_user_error
-        self._outcome: Tuple[str, Any] = ("retry", None)
+        self._outcome: Tuple[str, Any, List[Record]] = ("retry", None, [])
         self._callback_error: Optional[BaseException] = None
         self._cancelled = False
         self._thread = threading.Thread(target=self._receive, name="ssl_engine-compose", daemon=True)
@@ -90,13 +130,14 @@ class PendingConfig:
         except ChildProcessError:
             pass
         try:
-            outcome = pickle.loads(data) if data else ("retry", None)
+            outcome = pickle.loads(data) if data else ("retry", None, [])
         except Exception:  # a child killed while writing: compose again in the parent
-            outcome = ("retry", None)
+            outcome = ("retry", None, [])
         self._outcome = outcome
         if self._cancelled:
             return
-        kind, value = outcome
+        kind, value, records = outcome
+        _log_records(records)
         if kind == "user_error" and self._exit_on_user_error:
             _flush_std_streams()
             print(f"error: {one_line(value)}", file=sys.stderr, flush=True)
@@ -122,7 +163,7 @@ class PendingConfig:
         self._thread.join()
         if self._callback_error is not None:
             raise self._callback_error
-        kind, value = self._outcome
+        kind, value, _ = self._outcome
         if kind == "config":
             return value
         if kind == "user_error":

@@ -296,6 +296,8 @@ _RANGES = [
     ("CHECKPOINT.KEEP_LAST", lambda v: v == -1 or v > 0, "-1 (all) or an integer > 0"),
     ("CHECKPOINT.BACKEND", lambda v: v == "disk", "disk"),
     ("MODEL.AMP_PARAMS.AMP_TYPE", lambda v: v in ("pytorch", "apex"), "one of pytorch, apex"),
+    # checked here, not only where a multi-rank run converts its BatchNorms (models.convert_sync_batchnorm)
+    ("MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE", lambda v: v.lower() in ("pytorch", "apex"), "one of pytorch, apex"),
     ("MODEL.AMP_PARAMS.AMP_DTYPE", lambda v: v in ("auto", "float16", "bfloat16"), "one of auto, float16, bfloat16"),
     ("MODEL.INPUT_TYPE", lambda v: v in ("rgb", "bgr", "gray", "lab"), "one of rgb, bgr (3 channels), gray, lab (1)"),
     ("EXTRACT_FEATURES.CHUNK_THRESHOLD", lambda v: v >= 0, "an integer >= 0 (0 = default)"),
@@ -330,6 +332,30 @@ def check_ranges(cfg: Dict[str, Any]) -> None:
             )
 
 
+def without_unextracted_splits(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """For an extract_features run, ``cfg`` with the DATA splits that EXTRACT_FEATURES.SPLITS
+    leaves out reset to their defaults (no DATA_SOURCES); ``cfg`` itself otherwise.
+
+    An extraction reads only the splits it is asked for, so the checks of the others (their
+    paths, names, ranges, datasets) must not fire: ``EXTRACT_FEATURES.SPLITS=[TRAIN]`` runs a
+    config whose TEST data is elsewhere. An empty SPLITS asks for every split with data. Works
+    on plain dicts and AttrDicts alike; ``cfg`` is never modified.
+    """
+    if cfg.get("engine_name") != "extract_features":
+        return cfg
+    asked = {str(s).upper() for s in cfg["EXTRACT_FEATURES"]["SPLITS"]}
+    left_out = [s for s in ("TRAIN", "TEST") if asked and s not in asked]
+    if not left_out:
+        return cfg
+    from ssl_engine.config.compose import load_defaults
+
+    data_defaults = load_defaults()["config"]["DATA"]
+    out = copy.deepcopy(cfg)
+    for s in left_out:
+        out["DATA"][s] = type(out["DATA"])(data_defaults[s])  # an AttrDict stays one all the way down
+    return out
+
+
 def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -346,6 +372,22 @@ MOVED_KEYS = {
     ("TENSORBOARD_SETUP",): ("HOOKS", "TENSORBOARD_SETUP"),
     ("MODEL", "MODEL_COMPLEXITY"): ("HOOKS", "MODEL_COMPLEXITY"),
 }
+
+
+# The older layout's trunk options: MODEL.TRUNK.TRUNK_PARAMS.<X>, read as MODEL.TRUNK.<X>.
+TRUNK_PARAMS_PATH = ("MODEL", "TRUNK", "TRUNK_PARAMS")
+
+
+def is_older_layout_key(key: str) -> bool:
+    """Whether ``key`` (``config.MONITOR_PERF_STATS``, ``config.MODEL.TRUNK.TRUNK_PARAMS.RESNETS``,
+    ...) lies at or under a place of VISSL's older layout that :func:`_upgrade_older_layout`
+    reads at its 0.1.6 place; a command-line override of one is composed where it is written
+    and moved from there, as the same key in a yaml file is."""
+    for old in [*MOVED_KEYS, TRUNK_PARAMS_PATH]:
+        place = "config." + ".".join(old)
+        if key == place or key.startswith(place + "."):
+            return True
+    return False
 
 
 def _node(root: Dict[str, Any], path: Iterable[str]) -> Any:
@@ -373,9 +415,9 @@ def _upgrade_older_layout(root: Dict[str, Any]) -> None:
     cfg = root.get("config")
     if not isinstance(cfg, dict):
         return
-    trunk = _node(cfg, ("MODEL", "TRUNK"))
-    if isinstance(trunk, dict) and "TRUNK_PARAMS" in trunk:
-        old = trunk.pop("TRUNK_PARAMS")
+    trunk = _node(cfg, TRUNK_PARAMS_PATH[:-1])
+    if isinstance(trunk, dict) and TRUNK_PARAMS_PATH[-1] in trunk:
+        old = trunk.pop(TRUNK_PARAMS_PATH[-1])
         if old is not None:
             if not isinstance(old, dict):
                 raise ConfigError(f"config.MODEL.TRUNK.TRUNK_PARAMS={show_value(old)} has the wrong type: expected mapping")
@@ -409,7 +451,7 @@ def validate(
         raise ConfigError("; ".join([unknown_key_message(k, known, added_hint=False) for k in walker.unknown] + walker.wrong))
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
-    check_ranges(cfg)
+    check_ranges(without_unextracted_splits(cfg))
     if warn_unused:
         for key in walker.compat_set:
             log.warning("config key %s is accepted for VISSL configs but not acted on by ssl_engine", key)

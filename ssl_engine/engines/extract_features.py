@@ -33,6 +33,7 @@ from ssl_engine import distributed as du
 from ssl_engine import preemption
 from ssl_engine.checkpoint import load_checkpoint, newest_good_checkpoint
 from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.config.validate import without_unextracted_splits
 from ssl_engine.distributed import RankInfo
 from ssl_engine.errors import CheckpointError, UserError
 from ssl_engine.features import ShardWriter, remove_shards, write_extraction_status
@@ -64,12 +65,14 @@ def extraction_splits(cfg: AttrDict) -> List[str]:
 def extraction_config(cfg: AttrDict) -> AttrDict:
     """The config the task of an extraction is built from.
 
-    No batch is dropped (DROP_LAST off). A config with TEST data builds as TEST_ONLY, so the
-    task prepares no training loader or optimizer (extraction builds its own loaders); one
-    with TRAIN data only gets an optimizer it never steps, so nothing may be frozen for it
-    (freezing changes nothing here: extraction computes no gradients).
+    The splits that EXTRACT_FEATURES.SPLITS leaves out are dropped (their DATA reset to the
+    defaults), so nothing of theirs is checked or built. No batch is dropped (DROP_LAST off).
+    A config with TEST data builds as TEST_ONLY, so the task prepares no training loader or
+    optimizer (extraction builds its own loaders); one with TRAIN data only gets an optimizer
+    it never steps, so nothing may be frozen for it (freezing changes nothing here:
+    extraction computes no gradients).
     """
-    out = AttrDict(copy.deepcopy(cfg.to_dict()))
+    out = AttrDict(copy.deepcopy(without_unextracted_splits(cfg).to_dict()))
     for s in SPLITS:
         out.DATA[s].DROP_LAST = False
     if out.DATA.TEST.DATA_SOURCES:

@@ -97,7 +97,7 @@ class SelfSupervisionTrainer:
         task.checkpoint_folder = self.checkpoint_folder
         with torch.random.fork_rng(devices=[]):  # the same random init on every rank
             torch.manual_seed(self.cfg.SEED_VALUE)
-            task.prepare(local_rank=self.local_rank)
+            task.prepare(local_rank=self.local_rank, data=False)  # extraction builds its own loaders
         source = load_weights(task, self.checkpoint_path)
         task.base_model.eval()
         folder = output_dir(self.cfg)

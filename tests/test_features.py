@@ -420,7 +420,11 @@ def test_extraction_checks_and_builds_only_the_splits_it_is_asked_for(tmp_path: 
                  f"config.DATA.{asked}.TRANSFORMS=[{{name: ToTensor}}]",
                  f"config.DATA.{other}.DATA_SOURCES=[disk_folder,disk_folder]",
                  f"config.DATA.{other}.DATA_PATHS=[{tmp_path / 'not_here'}]",
-                 f"config.DATA.{other}.TRANSFORMS=[{{name: NoSuchTransform}}]"])
+                 f"config.DATA.{other}.TRANSFORMS=[{{name: NoSuchTransform}}]",
+                 # nor may what only training needs: an lr schedule that does not fit 2 epochs
+                 "config.OPTIMIZER.param_schedulers.lr.name=multistep",
+                 "config.OPTIMIZER.param_schedulers.lr.values=[0.1,0.01]",
+                 "config.OPTIMIZER.param_schedulers.lr.milestones=[30]"])
     assert available(tmp_path) == [(asked.lower(), "heads")], proc.stdout[-2000:]
     assert extraction_status(tmp_path, asked)["samples"] == 8
 

@@ -67,19 +67,16 @@ def extraction_config(cfg: AttrDict) -> AttrDict:
 
     The splits that EXTRACT_FEATURES.SPLITS leaves out are dropped (their DATA reset to the
     defaults), so nothing of theirs is checked or built. No batch is dropped (DROP_LAST off).
-    A config with TEST data builds as TEST_ONLY, so the task prepares no training loader or
-    optimizer (extraction builds its own loaders); one with TRAIN data only gets an optimizer
-    it never steps, so nothing may be frozen for it (freezing changes nothing here:
-    extraction computes no gradients).
+    The task builds its model only (``prepare(data=False)``: no loader and no optimizer, so
+    an OPTIMIZER section, or a model frozen for linear evaluation, never stops an
+    extraction). A config with TEST data is marked TEST_ONLY, so the phases the task lists
+    ask for no TRAIN data.
     """
     out = AttrDict(copy.deepcopy(without_unextracted_splits(cfg).to_dict()))
     for s in SPLITS:
         out.DATA[s].DROP_LAST = False
     if out.DATA.TEST.DATA_SOURCES:
         out.TEST_ONLY = True
-    else:
-        out.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_ONLY = False
-        out.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_AND_HEAD = False
     return out
 
 

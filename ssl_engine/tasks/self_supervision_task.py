@@ -158,8 +158,12 @@ class SelfSupervisionTask(ClassyTask):
             splits.append("TEST")
         return splits
 
-    def prepare(self, local_rank: int = 0, **_: Any) -> None:  # type: ignore[override]
-        """Build model, loss, meters, datasets, loaders and optimizer on this rank's device."""
+    def prepare(self, local_rank: int = 0, data: bool = True, **_: Any) -> None:  # type: ignore[override]
+        """Build model, loss, meters, datasets, loaders and optimizer on this rank's device.
+
+        ``data=False`` builds the model (with loss, meters and AMP settings) only: no dataset,
+        loader or optimizer, for engines that read data their own way (feature extraction).
+        """
         from ssl_engine.data import build_dataloader, build_dataset
         from ssl_engine.losses import build_loss
         from ssl_engine.meters import build_meters
@@ -169,7 +173,7 @@ class SelfSupervisionTask(ClassyTask):
         self.local_rank = local_rank
         self.rank, self.world_size = du.get_rank(), du.get_world_size()
         self.device = du.device_for(cfg.MACHINE.DEVICE, local_rank)
-        for split in self.needed_splits():
+        for split in self.needed_splits() if data else []:
             self.datasets[split] = build_dataset(cfg, split)
             self.dataloaders[split] = build_dataloader(
                 self.datasets[split], cfg, split, self.rank, self.world_size, cfg.MACHINE.DEVICE

@@ -222,6 +222,18 @@ def test_linear_eval_one_output_per_layer() -> None:
     assert unflat["res4"].shape == (4, 256, 2, 2) and unflat["res5avg"].shape == (4, 512, 1, 1)
 
 
+def test_output_heads_name_the_stage_behind_each_output() -> None:
+    """The key and class count of the head stage that produces each model output (what a label is
+    checked against): the last stage of a chain in training, one head per layer in linear eval."""
+    chain = [[["mlp", {"dims": [16, 8]}], ["mlp", {"dims": [8, 5]}]]]
+    assert build(model_config(trunk="mlp", heads=chain)).output_heads() == [("MODEL.HEAD.PARAMS[0][1] (mlp)", 5)]
+    two = [["mlp", {"dims": [16, 8]}], ["mlp", {"dims": [8, 3]}]]
+    assert build(model_config(trunk="mlp", heads=two)).output_heads() == [("MODEL.HEAD.PARAMS[1] (mlp)", 3)]
+    assert linear_eval_model().output_heads() == [("MODEL.HEAD.PARAMS[0] (eval_mlp)", 10),
+                                                  ("MODEL.HEAD.PARAMS[1] (eval_mlp)", 10)]
+    assert build(model_config(trunk="mlp")).output_heads() == []
+
+
 def test_linear_eval_checks() -> None:
     bad = [EVAL_HEADS[0], ["eval_mlp", {"in_channels": 256, "dims": [256, 10]}]]
     fe = {"EVAL_MODE_ON": True, "LINEAR_EVAL_FEAT_POOL_OPS_MAP": POOL_MAP}

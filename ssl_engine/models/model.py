@@ -78,7 +78,9 @@ def _build_head_module(model_config: AttrDict, spec: Any, where: str) -> Tuple[s
         raise UserError(
             f"{where}: bad params {sorted(params)} for head {name!r} ({err}); it accepts: {', '.join(accepted)}"
         ) from None
-    return name, head_cls(model_config, **params)
+    module = head_cls(model_config, **params)
+    module.config_key = f"{where} ({name})"  # how run-time errors name it (see heads/mlp.py head_where)
+    return name, module
 
 
 def build_heads(model_config: AttrDict) -> Tuple[List[str], List[nn.Module]]:

@@ -126,6 +126,19 @@ ROWS: List[Row] = [
     # -- model, optimizer ---------------------------------------------------------------------------
     R("head-input-dim-mismatch", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[64,10]}]]",),
       ("MODEL.HEAD.PARAMS[0]", "dims[0]=64", "gives 16 features")),
+    R("head-fewer-classes-than-labels", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,2]}]]",),
+      ("MODEL.HEAD.PARAMS[0] (mlp)", "outputs 2 classes", "config.DATA.TRAIN has label 9", "at least 10 classes")),
+    R("head-fewer-classes-than-class-folders", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,1]}]]",
+                                                "config.DATA.TRAIN.DATA_SOURCES=[disk_folder]",
+                                                "config.DATA.TRAIN.DATA_PATHS=[{fx}/images]",
+                                                "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
+      ("MODEL.HEAD.PARAMS[0] (mlp)", "outputs 1 class ", "has label 1", "['disk_folder']", "at least 2 classes"),
+      tool=False),
+    R("test-meter-fewer-classes-than-labels", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,4]}]]",
+                                               "config.LOSS.name=simclr_info_nce_loss", "config.TEST_MODEL=true",
+                                               "config.METERS.enable_training_meter=false"),
+      ("MODEL.HEAD.PARAMS[0] (mlp)", "the meter config.METERS.accuracy_list_meter", "outputs 4 classes",
+       "config.DATA.TEST has label 9"), tool=False),
     R("unknown-lr-schedule", ("config.OPTIMIZER.param_schedulers.lr.name=cosin",),
       ("config.OPTIMIZER.param_schedulers.lr.name='cosin'", "cosine"), tool=False),
     # -- files: weights, checkpoints, folders, user modules ------------------------------------------
@@ -279,6 +292,38 @@ def test_bad_input_row(row: Row, results, folders, capsys):
         assert _fill(text, folders) in lines[0], f"{_fill(text, folders)!r} not in {lines[0]!r}"
     assert got["after"] == got["before"], "the checkpoint folder changed"
     assert not (folders["fx"] / "PWNED").exists(), "a payload ran"
+
+
+USER_HEAD = """
+from torch import nn
+from ssl_engine.registry import HEADS
+
+
+@HEADS.register("opaque_linear")
+class OpaqueLinear(nn.Module):
+    \"\"\"A head whose output size the config does not show (no dims): only the run can check it.\"\"\"
+
+    def __init__(self, model_config, size_in, size_out):
+        super().__init__()
+        self.fc = nn.Linear(size_in, size_out)
+
+    def forward(self, x):
+        return self.fc(x[0] if isinstance(x, (list, tuple)) else x)
+"""
+
+
+def test_a_label_beyond_a_heads_classes_found_by_the_run_is_one_line(tmp_path):
+    """A head the pre-launch check cannot size: the first step's "Target 9 is out of bounds" is one
+    line naming the head's key and the label, exit 2."""
+    module = tmp_path / "user_head.py"
+    module.write_text(USER_HEAD)
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{module}]",
+                            "config.MODEL.HEAD.PARAMS=[[opaque_linear,{size_in:16,size_out:3}]]"])
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err[-3000:]
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    for text in ("MODEL.HEAD.PARAMS[0] (opaque_linear)", "outputs 3 classes", "config.DATA.TRAIN has label"):
+        assert text in err, err
 
 
 def test_debug_shows_the_traceback(folders, tmp_path):

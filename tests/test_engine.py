@@ -253,6 +253,64 @@ def test_non_finite_loss_names_iteration_and_phase(tmp_path):
             task.train_step_fn(task)
 
 
+def test_a_label_beyond_the_heads_classes_is_a_user_error_naming_the_head_and_the_label(tmp_path):
+    """On the CPU cross-entropy raises "IndexError: Target 7 is out of bounds"; the step turns it
+    into a UserError naming the head's key, its class count and the label (the run's fallback for
+    heads the pre-launch check cannot size)."""
+    task = tiny_task(tmp_path, "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,3]}]]")
+    task.advance_phase()
+    with pytest.raises(UserError, match=r"MODEL\.HEAD\.PARAMS\[0\] \(mlp\), scored by config\.LOSS\.name="
+                                        r"cross_entropy_multiple_output_single_target, outputs 3 classes .*"
+                                        r"config\.DATA\.TRAIN has label [3-9] .*at least \d+ classes"):
+        task.train_step_fn(task)
+
+
+def test_a_meter_given_a_label_beyond_the_heads_classes_names_the_meter(tmp_path):
+    """classy's precision@k meter asserts on a label >= the class count; the step names the meter."""
+    from classy_vision.losses import ClassyLoss
+
+    from ssl_engine.registry import LOSSES
+
+    if "test_label_free_loss" not in LOSSES:
+        @LOSSES.register("test_label_free_loss")
+        class LabelFreeLoss(ClassyLoss):  # scores no labels: the meter is the first to read them
+            @classmethod
+            def from_config(cls, cfg):
+                return cls()
+
+            def forward(self, output, target):
+                return output[0].float().pow(2).mean()
+
+    task = tiny_task(tmp_path, "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,3]}]]", "config.LOSS.name=test_label_free_loss",
+                     "config.METERS.names=[precision_at_k_list_meter]")
+    task.advance_phase()
+    with pytest.raises(UserError, match=r"MODEL\.HEAD\.PARAMS\[0\] \(mlp\), scored by the meter "
+                                        r"config\.METERS\.precision_at_k_list_meter, outputs 3 classes"):
+        task.train_step_fn(task)
+
+
+def test_a_loss_that_does_not_score_class_indices_keeps_its_own_error(tmp_path):
+    """Only losses and meters with class_index_targets are explained: another loss's IndexError stands."""
+    from classy_vision.losses import ClassyLoss
+
+    from ssl_engine.registry import LOSSES
+
+    if "test_indexing_loss" not in LOSSES:
+        @LOSSES.register("test_indexing_loss")
+        class IndexingLoss(ClassyLoss):
+            @classmethod
+            def from_config(cls, cfg):
+                return cls()
+
+            def forward(self, output, target):
+                return torch.nn.functional.cross_entropy(output[0], target)
+
+    task = tiny_task(tmp_path, "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,3]}]]", "config.LOSS.name=test_indexing_loss")
+    task.advance_phase()
+    with pytest.raises(IndexError, match="out of bounds"):
+        task.train_step_fn(task)
+
+
 def test_registry_lists_known_names_on_unknown():
     reg = Registry("widget", "config.WIDGET")
 

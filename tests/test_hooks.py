@@ -904,6 +904,35 @@ def test_metrics_file_drops_lines_of_phases_the_run_will_redo(tmp_path: Path) ->
     assert path.stat().st_mtime_ns == before
 
 
+def test_stdout_json_drops_the_iterations_a_resumed_run_redoes(tmp_path: Path) -> None:
+    """Lines past the checkpoint (and half a line) go at start; lines before it stay, byte for byte."""
+    from types import SimpleNamespace
+
+    from ssl_engine.hooks import JsonLinesWriter
+    from ssl_engine.hooks.periodic_writer import logged_before
+
+    def line(phase, local):
+        return json.dumps({"phase_idx": phase, "local_iteration": local, "iteration": 10 * phase + local}) + "\n"
+
+    before = line(0, 1) + line(0, 2) + '{"note": "a line of someone else"}\n' + line(1, 1) + line(2, 1) + line(2, 2)
+    path = tmp_path / "stdout.json"
+    path.write_text(before + line(2, 3) + line(2, 4) + line(3, 1) + '{"phase_idx": 3, "lo')
+
+    def start(phase_idx, in_phase, local_iteration_num):
+        w = JsonLinesWriter(path)
+        w.start()
+        w.rewind(logged_before(SimpleNamespace(phase_idx=phase_idx, _resume_in_phase=in_phase,
+                                               local_iteration_num=local_iteration_num)))
+        w.write({"phase_idx": phase_idx, "local_iteration": local_iteration_num + 1})
+        w.close()
+        return path.read_text().splitlines(keepends=True)
+
+    lines = start(2, True, 2)  # resumed inside phase 2 after its 2nd step: steps 3, 4 and phase 3 go
+    assert "".join(lines[:-1]) == before and json.loads(lines[-1]) == {"phase_idx": 2, "local_iteration": 3}
+    assert len(start(1, False, 0)) == 5  # phase 1 done: phase 2 runs again
+    assert len(start(-1, False, 0)) == 4  # no checkpoint: only the foreign line (and what is before it) stays
+
+
 def test_metrics_line_cut_short_is_undone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ssl_engine.hooks import metrics_hook
 

@@ -136,7 +136,7 @@ def tensors_of(path):
 
 
 def losses(folder):
-    """iteration -> loss, the last logged value of each iteration (a resumed run logs some twice)."""
+    """iteration -> loss, as logged in stdout.json (once per iteration, also after a resume)."""
     out = {}
     for line in (Path(folder) / "stdout.json").read_text().splitlines():
         r = json.loads(line)
@@ -240,6 +240,24 @@ def test_resume_does_not_replay_data(setup, tmp_path):
     batch = 8
     # the resumed run reads the 2 remaining batches of phase 0, then 2 whole phases
     assert len(train_reads) == (ITERS_PER_EPOCH - 4) * batch + (EPOCHS - 1) * ITERS_PER_EPOCH * batch
+
+
+def test_a_resumed_run_logs_each_iteration_once(setup, tmp_path):
+    """Iterations run after the last checkpoint are run again after a crash: stdout.json and
+    metrics.json still hold one line per iteration and per phase."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    # iteration 8's checkpoint is on disk (written synchronously) when the run dies after logging 9
+    r = run(cfg, folder, "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:9")
+    assert r.returncode == -signal.SIGKILL
+    assert max(losses(folder)) == 9
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [json.loads(x) for x in (folder / "stdout.json").read_text().splitlines()]
+    assert [s["iteration"] for s in steps] == list(range(1, ITERS_PER_EPOCH * EPOCHS + 1))
+    assert len({(s["phase_idx"], s["local_iteration"]) for s in steps}) == len(steps)
+    phases = [json.loads(x)["phase_idx"] for x in (folder / "metrics.json").read_text().splitlines()]
+    assert phases == list(range(2 * EPOCHS))  # a train and a test phase per epoch
 
 
 def test_truncated_newest_checkpoint_is_skipped(setup, reference):

@@ -673,7 +673,8 @@ def check_parts_build(cfg: AttrDict, world_size: int) -> None:
     """Build what each rank builds, cheaply, so that its user errors come before any process
     starts: datasets (sizes and labels; no image is decoded), loaders (batch size against
     DROP_LAST and the world size), the model on the meta device (heads against the trunk's
-    dimensions), the weights file's names against it, the loss, meters and optimizer.
+    dimensions, the data's labels against the heads' classes), the weights file's names against
+    it, the loss, meters and optimizer.
 
     Only UserErrors are reported here; any other failure is left for the run to show with its
     traceback.
@@ -709,10 +710,11 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
         build_cfg = extraction_config(cfg)
     else:
         return
-    loaders = {}
+    loaders, datasets = {}, {}
     for split in splits:
         dataset = _checked(f"the {split} data", build_dataset, build_cfg, split)
         if dataset is not None:
+            datasets[split] = dataset
             loaders[split] = _checked(
                 f"the {split} loader", build_dataloader, dataset, build_cfg, split, 0, world_size, "cpu"
             )
@@ -724,6 +726,11 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
         check_labels_given(build_cfg, splits, loss, meters or [])
     if model is None:
         return
+    if cfg.engine_name == "train":
+        from ssl_engine.models.label_range import check_dataset_labels
+
+        # the only help on CUDA, where a label beyond the head's classes is an uncatchable device assert
+        check_dataset_labels(build_cfg, datasets, model, loss, meters or [])
     weights = build_cfg.MODEL.WEIGHTS_INIT
     if weights.PARAMS_FILE and (cfg.engine_name != "train" or not is_resuming(cfg)):
         from ssl_engine.checkpoint import init_model_from_weights

@@ -12,7 +12,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -40,6 +40,11 @@ class Writer:
 
     def start(self) -> None:
         """The run starts (rank 0): e.g. repair what a killed run left in the file."""
+
+    def rewind(self, logged_before: Callable[[Dict[str, Any]], bool]) -> None:
+        """After ``start``: forget what a killed run wrote past the checkpoint this run resumes
+        from, since those iterations run (and are logged) again. ``logged_before(stats)`` says
+        whether a ``write``'s stats belong to the iterations the checkpoint holds."""
 
     def write(self, stats: Dict[str, Any]) -> None:
         pass
@@ -80,6 +85,48 @@ def drop_partial_last_line(fd: int) -> None:
         os.ftruncate(fd, end)
 
 
+def lines_from_end(fd: int, end: int, block: int = 65536) -> Iterator[Tuple[int, bytes]]:
+    """(offset, line without its newline) of each line of the file's first ``end`` bytes, last
+    line first; ``end`` is just past a newline. Reads blocks from the end: a resumed run looks at
+    the few lines it redoes, not at the whole file."""
+    stop, carry = end - 1, b""  # the newline ending the last line
+    while stop >= 0:
+        start = max(0, stop - block)
+        data = os.pread(fd, stop - start, start) + carry  # the bytes [start, line end)
+        line_end = len(data)
+        cut = data.rfind(b"\n", 0, line_end)
+        while cut >= 0:
+            yield start + cut + 1, data[cut + 1:line_end]
+            line_end = cut
+            cut = data.rfind(b"\n", 0, line_end)
+        if start == 0:
+            yield 0, data[:line_end]
+            return
+        stop, carry = start, data[:line_end]
+
+
+def drop_trailing_records(fd: int, keep: Callable[[Dict[str, Any]], bool]) -> int:
+    """Cut the file's trailing json lines for which ``keep`` is False; returns how many.
+
+    Stops at the first line from the end that is kept (or is not a json object), so lines before
+    it are never touched; the cut is one ftruncate, made durable before the run appends again.
+    """
+    size = os.fstat(fd).st_size
+    cut, dropped = size, 0
+    for offset, line in lines_from_end(fd, size):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(record, dict) or keep(record):
+            break
+        cut, dropped = offset, dropped + 1
+    if cut != size:
+        os.ftruncate(fd, cut)
+        os.fsync(fd)
+    return dropped
+
+
 class JsonLinesWriter(Writer):
     """One json line per logged iteration, appended to CHECKPOINT.DIR/stdout.json.
 
@@ -94,6 +141,14 @@ class JsonLinesWriter(Writer):
     def start(self) -> None:
         if self._fd is None and self.path.is_file():
             self._open()  # a line a killed run left half written is cut off now, not after the next line
+
+    def rewind(self, logged_before: Callable[[Dict[str, Any]], bool]) -> None:
+        """Drop the trailing lines of iterations the resumed run redoes (a line per iteration, once)."""
+        if self._fd is not None or self.path.is_file():
+            dropped = drop_trailing_records(self._open(), logged_before)
+            if dropped:
+                log.info("%s: dropped %d line(s) logged after the checkpoint; those iterations run again",
+                         self.path.name, dropped)
 
     def _open(self) -> int:
         if self._fd is None:
@@ -111,6 +166,28 @@ class JsonLinesWriter(Writer):
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"path": self.path, "_fd": None}  # a copy opens its own
+
+
+def logged_before(task: Any) -> Callable[[Dict[str, Any]], bool]:
+    """Whether a logged iteration's stats (``phase_idx``, ``local_iteration``) come from the part
+    of the run that ``task``'s counters say is done: phases before the current one, and in a phase
+    resumed in the middle, its first ``local_iteration_num`` steps. At start, with the counters of
+    the checkpoint (or of no checkpoint: nothing is done), what is not done will run again."""
+    phase, in_phase, steps = task.phase_idx, bool(getattr(task, "_resume_in_phase", False)), task.local_iteration_num
+
+    def done(stats: Dict[str, Any]) -> bool:
+        try:
+            p = int(stats["phase_idx"])
+        except (KeyError, TypeError, ValueError):
+            return True  # not one of ours: leave it
+        if p != phase:
+            return p < phase
+        try:
+            return not in_phase or int(stats["local_iteration"]) <= steps
+        except (KeyError, TypeError, ValueError):
+            return True
+
+    return done
 
 
 @HOOKS.register("PeriodicWriterHook")
@@ -132,10 +209,14 @@ class PeriodicWriterHook(SSLHook):
 
     def on_start(self, task: Any) -> None:
         if du.is_primary():
+            logged = logged_before(task)
             for w in self.writers:
                 start = getattr(w, "start", None)
                 if start is not None:
                     start()
+                rewind = getattr(w, "rewind", None)
+                if rewind is not None:
+                    rewind(logged)
 
     def on_phase_start(self, task: Any) -> None:
         self._losses.clear()

@@ -111,6 +111,7 @@ class TopKListMeter(ClassyMeter):
     INNER: Type[ClassyMeter] = AccuracyMeter
     ON_CPU = False
     needs_labels = True  # scores against class labels: the data must give them (checked before launch)
+    class_index_targets = True  # a label indexes each head output's classes (models/label_range.py)
 
     def __init__(self, num_meters: int = 1, topk_values: Sequence[int] = (1,), meter_names: Sequence[str] = ()) -> None:
         super().__init__()

@@ -78,7 +78,9 @@ def _build_head_module(model_config: AttrDict, spec: Any, where: str) -> Tuple[s
         raise UserError(
             f"{where}: bad params {sorted(params)} for head {name!r} ({err}); it accepts: {', '.join(accepted)}"
         ) from None
-    return name, head_cls(model_config, **params)
+    module = head_cls(model_config, **params)
+    module.config_key = f"{where} ({name})"  # how run-time errors name it (see heads/mlp.py head_where)
+    return name, module
 
 
 def build_heads(model_config: AttrDict) -> Tuple[List[str], List[nn.Module]]:
@@ -211,6 +213,32 @@ class SSLModel(nn.Module):
                     f"{where} has input dim dims[0]={in_dim} but trunk {trunk_name!r} layer {layer!r} gives "
                     f"{expected} features; set dims[0] to {expected}"
                 )
+
+    def output_heads(self) -> List[Tuple[str, Optional[int]]]:
+        """(config key, output size or None when unknown) of the head stage behind each output of
+        :meth:`forward`, in order; empty when forward returns trunk features.
+
+        Lets a class label be checked against the head that scores it, before launch (the
+        dataset's labels) and when a step fails (the batch's labels), naming the key to change.
+        """
+        if self.trunk_features_only or len(self.heads) == 0:
+            return []
+        indices = range(len(self.heads)) if self.linear_eval_mode else [len(self.heads) - 1]
+        return [self._last_stage(i) for i in indices]
+
+    def _last_stage(self, i: int) -> Tuple[str, Optional[int]]:
+        """(key, output size) of the last stage of head ``i`` (a list entry of HEAD.PARAMS is a chain)."""
+        head, where, name = self.heads[i], f"{HEAD_KEY}[{i}]", self.head_names[i]
+        if isinstance(head, nn.Sequential) and len(head) > 0:
+            if len(head) > 1:
+                where += f"[{len(head) - 1}]"
+            head, name = head[-1], name.split("->")[-1]
+        dims = getattr(head, "dims", None)
+        if isinstance(dims, (list, tuple)) and dims and isinstance(dims[-1], int):
+            return f"{where} ({name})", int(dims[-1])
+        if isinstance(head, nn.Linear):
+            return f"{where} ({name})", head.out_features
+        return f"{where} ({name})", None
 
     def _check_head_chain(self) -> None:
         """In training mode heads run one after the other: each must read what the previous one gives."""

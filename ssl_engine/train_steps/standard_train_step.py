@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 
 from ssl_engine.errors import NonFiniteLossError
+from ssl_engine.models.label_range import explain_label_error
 from ssl_engine.registry import TRAIN_STEPS
 
 
@@ -214,8 +215,12 @@ def _forward_backward(
         if per_row:
             detached, tgt = _rows(detached, valid), _rows(tgt, valid)
         if not per_row or bool(valid.any()):
-            for meter in task.meters:
-                meter.update(detached, tgt)
+            try:
+                for meter in task.meters:
+                    meter.update(detached, tgt)
+            except (IndexError, RuntimeError, AssertionError):  # no cost until raised (python >= 3.11)
+                explain_label_error(task, detached, tgt, meter)  # a label beyond the head's classes
+                raise
     task.run_hooks("on_loss_and_meter")
     if train:
         if accum > 1:
@@ -237,10 +242,17 @@ def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Ten
     task.last_model_output = output
     task.run_hooks("on_forward")
     per_row = valid is not None and _rows_match(output, valid.numel()) and _rows_match(target, valid.numel())
-    if per_row and not task.train and bool(valid.any()):
-        loss = task.loss(_rows(output, valid), _rows(target, valid))
-    else:
-        loss = task.loss(output, target)
+    try:
+        if per_row and not task.train and bool(valid.any()):
+            loss = task.loss(_rows(output, valid), _rows(target, valid))
+        else:
+            loss = task.loss(output, target)
+    except (IndexError, RuntimeError, AssertionError):  # no cost until raised (python >= 3.11)
+        # a label beyond the head's classes ("Target 7 is out of bounds") becomes a UserError
+        # naming the head's key; on CUDA it is a device-side assert that cannot be caught, which
+        # only the pre-launch check of the dataset's labels prevents (models/label_range.py)
+        explain_label_error(task, output, target, task.loss)
+        raise
     return output, loss, per_row
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
-from ssl_engine.models.heads.mlp import MLPHead, check_dims, head_bn_kwargs
+from ssl_engine.models.heads.mlp import MLPHead, check_dims, flatten_head_input, head_bn_kwargs, head_where
 from ssl_engine.registry import HEADS
 
 
@@ -55,14 +55,14 @@ class LinearEvalMLPHead(nn.Module):
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if isinstance(batch, (list, tuple)):
             if len(batch) != 1:
-                raise UserError(f"head 'eval_mlp' takes one tensor, got a list of {len(batch)}")
+                raise UserError(f"{head_where(self, 'eval_mlp')} takes one tensor, got a list of {len(batch)}")
             batch = batch[0]
         if batch.dim() == 2:
             batch = batch[:, :, None, None]
         if batch.dim() != 4 or batch.shape[1] != self.in_channels:
             raise UserError(
-                f"MODEL.HEAD.PARAMS: head 'eval_mlp' has in_channels={self.in_channels} but got features of "
-                f"shape {list(batch.shape)}; set in_channels to the layer's channel count"
+                f"{head_where(self, 'eval_mlp')} has in_channels={self.in_channels} but got features of shape "
+                f"{list(batch.shape)}; set in_channels to the layer's channel count"
             )
-        out = self.channel_bn(batch)
-        return self.clf(torch.flatten(out, start_dim=1))
+        # flattened and dims[0] checked here, naming this head; the inner mlp's Linears run directly
+        return self.clf.clf(flatten_head_input(self.channel_bn(batch), self.dims[0], self, "eval_mlp"))

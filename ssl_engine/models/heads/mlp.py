@@ -47,17 +47,28 @@ def check_dims(dims: Any, head: str) -> List[int]:
     return list(dims)
 
 
-def flatten_head_input(batch: Any, expected_dim: int, head: str) -> torch.Tensor:
-    """[N, D] or [N, D, 1, 1] (or a one-element list of them) -> [N, D], checking D."""
+def head_where(head: nn.Module, name: str) -> str:
+    """How messages name ``head``: the ``MODEL.HEAD.PARAMS[i]`` entry it was built from (set by the
+    model's builder as ``config_key``), or the head's name when it was built by hand."""
+    return getattr(head, "config_key", None) or f"MODEL.HEAD.PARAMS ({name})"
+
+
+def flatten_head_input(batch: Any, expected_dim: int, head: nn.Module, name: str) -> torch.Tensor:
+    """[N, D] or [N, D, 1, 1] (or a one-element list of them) -> [N, D], checking D against dims[0].
+
+    The trunk's output size is checked before launch where the config shows it; where it does
+    not (a user trunk, a layer whose size depends on the image size) this check names the head's
+    key (:func:`head_where`) instead of letting the Linear fail with a matrix-multiply shape error.
+    """
     if isinstance(batch, (list, tuple)):
         if len(batch) != 1:
-            raise UserError(f"head {head!r} takes one tensor, got a list of {len(batch)}")
+            raise UserError(f"{head_where(head, name)} takes one tensor, got a list of {len(batch)}")
         batch = batch[0]
     flat = batch.reshape(batch.shape[0], -1) if batch.dim() != 2 else batch
     if flat.shape[1] != expected_dim:
         raise UserError(
-            f"MODEL.HEAD.PARAMS: head {head!r} expects {expected_dim} input features but got a tensor of "
-            f"shape {list(batch.shape)} ({flat.shape[1]} features per sample); set its input dim to {flat.shape[1]}"
+            f"{head_where(head, name)} has dims[0]={expected_dim} but its input has {flat.shape[1]} features "
+            f"per sample (shape {list(batch.shape)}); set dims[0] to {flat.shape[1]}"
         )
     return flat
 
@@ -114,4 +125,4 @@ class MLPHead(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.clf(flatten_head_input(batch, self.dims[0], "mlp"))
+        return self.clf(flatten_head_input(batch, self.dims[0], self, "mlp"))

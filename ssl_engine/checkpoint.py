@@ -478,6 +478,19 @@ def prune(folder: Path, keep_last: int, protect: Optional[set] = None) -> None:
                 log.warning("could not remove old checkpoint %s: %s", p, e.strerror)
 
 
+def resume_from_file(value: Any) -> Path:
+    """The file ``config.CHECKPOINT.RESUME_FROM`` names; a CheckpointError when it is missing or a
+    folder (naming the checkpoint to use from that folder, where it holds one)."""
+    path = Path(str(value)).expanduser()
+    if path.is_dir():
+        found = [p for p in (path / POINTER, *list_checkpoints(path)) if p.is_file()]
+        hint = f"e.g. {found[0]}" if found else "the folder holds no checkpoint"
+        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} is a folder; name a checkpoint file ({hint})")
+    if not path.is_file():
+        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
+    return path
+
+
 def final_checkpoint(folder: Path) -> Optional[Path]:
     """The final checkpoint of a finished training in ``folder``, if there is one."""
     finals = [p for p in list_checkpoints(folder) if p.name.startswith("model_final_checkpoint_phase")]
@@ -503,13 +516,33 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
                 f"refused to load {path}: it carries pickled objects that are not tensors or plain "
                 f"containers, and loading it would run code ({blocked.group(1)[:160]})"
             ) from None
-        raise CheckpointError(f"{path} is not a checkpoint or is corrupt: it cannot be read as tensors and plain containers") from None
-    except Exception as e:  # noqa: BLE001 - torch's readers raise many kinds (EOFError, IndexError, ...) on garbage
-        why = (str(e).splitlines() or [""])[0][:200] or type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is truncated or unreadable: {why}") from None
+        raise CheckpointError(f"checkpoint {path} {_unreadable_because(path, e)}") from None
+    except Exception as e:  # noqa: BLE001 - torch's readers raise many kinds (EOFError, KeyError, ...) on garbage
+        raise CheckpointError(f"checkpoint {path} {_unreadable_because(path, e)}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is not a checkpoint: it holds a {type(data).__name__}, not a dict")
     return data
+
+
+def _unreadable_because(path: Path, error: Exception) -> str:
+    """Why torch.load failed on ``path``, in words: what the file's first bytes say it is.
+
+    torch's own errors name internals (``KeyError: '101'`` for a text file, a miniz message
+    cut mid-sentence for a truncated archive); the file's start tells a user more.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        size = os.path.getsize(path)
+    except OSError as e:
+        return f"cannot be read: {e.strerror}"
+    if size == 0:
+        return "is empty (0 bytes)"
+    if head.startswith(b"PK"):  # torch.save's zip format
+        return f"is truncated or corrupt: its zip archive cannot be read ({size} bytes)"
+    if head[:1] == b"\x80":  # a pickle: torch's legacy format, or a pickled object
+        return f"is truncated or corrupt: its pickle cannot be read ({type(error).__name__}, {size} bytes)"
+    return f"is not a file written by torch.save (it starts with {head!r}, {size} bytes)"
 
 
 def is_engine_checkpoint(data: Dict[str, Any]) -> bool:
@@ -622,11 +655,16 @@ def init_model_from_weights(model: torch.nn.Module, weights_cfg: Any) -> Dict[st
         )
     model.load_state_dict(new_state, strict=False)
     missing = [k for k in own if k not in new_state and not any(s in k for s in skip)]
-    log.info(
-        "initialised weights from %s: %d loaded, %d missing, %d unexpected, %d shape mismatches",
+    # heads missing from a pretrained trunk's file is the usual case (new heads); a trunk weight
+    # left at its random init, or one skipped for its shape, is a warning
+    level = logging.WARNING if shape_mismatch or any(k.startswith("trunk.") for k in missing) else logging.INFO
+    log.log(
+        level, "initialised weights from %s: %d loaded, %d missing, %d unexpected, %d shape mismatches%s",
         path, len(loaded), len(missing), len(unexpected), len(shape_mismatch),
+        " (the weights not loaded keep their random init; SKIP_LAYERS leaves out what is meant to)"
+        if level == logging.WARNING else "",
     )
     for what, names in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shape_mismatch)):
         if names:
-            log.info("  %s: %s%s", what, ", ".join(names[:10]), " ..." if len(names) > 10 else "")
+            log.log(level, "  %s: %s%s", what, ", ".join(names[:10]), " ..." if len(names) > 10 else "")
     return {"loaded": loaded, "missing": missing, "unexpected": unexpected, "shape_mismatch": shape_mismatch}

@@ -55,8 +55,22 @@ def test_truncated_and_foreign_files_are_skipped(tmp_path, caplog):
     path, data = ck.newest_good_checkpoint(tmp_path)
     assert path.name == "model_iteration2.torch"
     assert "skipping checkpoint model_iteration4.torch" in caplog.text
-    with pytest.raises(CheckpointError, match="truncated or unreadable"):
+    with pytest.raises(CheckpointError, match="is truncated or corrupt: its zip archive cannot be read"):
         ck.load_checkpoint(newest)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "is empty"),
+    (b"hello\n", "is not a file written by torch.save (it starts with b'hello"),
+    (b"\x80\x02}q\x00", "is truncated or corrupt: its pickle cannot be read"),
+])
+def test_an_unreadable_file_is_named_with_what_it_is(tmp_path, content, says):
+    """torch's own errors say "KeyError: '101'" for a text file: the message says what the file is."""
+    bad = tmp_path / "weights.torch"
+    bad.write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        ck.load_checkpoint(bad)
+    assert says in str(err.value) and str(bad) in str(err.value)
 
 
 class Payload:
@@ -135,6 +149,31 @@ def test_init_from_vissl_layout_and_removed_prefix(tmp_path):
     report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "ddp.pt", STATE_DICT_KEY_NAME="model_state_dict",
                                                            REMOVE_PREFIX="module."))
     assert not report["missing"]
+
+
+def test_init_warns_when_trunk_weights_keep_their_random_init(tmp_path, caplog):
+    """New heads on a pretrained trunk are the usual case (info); a trunk weight not loaded, or
+    skipped for its shape, is a warning that names it."""
+    import logging
+
+    src = resnet18_model()
+    trunk = {k: v for k, v in src.state_dict().items() if k.startswith("trunk.")}
+    torch.save(trunk, str(tmp_path / "trunk.torch"))
+    with caplog.at_level(logging.INFO, logger="ssl_engine.checkpoint"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "trunk.torch", STATE_DICT_KEY_NAME=""))
+    assert "initialised weights" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    widened = dict(trunk)
+    name = "trunk._feature_blocks.conv1.weight"
+    widened[name] = torch.zeros(64, 4, 7, 7)
+    torch.save(widened, str(tmp_path / "widened.torch"))
+    with caplog.at_level(logging.INFO, logger="ssl_engine.checkpoint"):
+        report = ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "widened.torch",
+                                                                           STATE_DICT_KEY_NAME=""))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert report["shape_mismatch"] and any("1 shape mismatches" in w for w in warnings), warnings
+    assert any(name in w for w in warnings), warnings
 
 
 def test_init_errors_name_the_file(tmp_path):

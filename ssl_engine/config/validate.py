@@ -577,14 +577,12 @@ def peek_checkpoint(path: Path) -> Dict[str, Any]:
 
 def check_resume_file(cfg: AttrDict) -> None:
     """CHECKPOINT.RESUME_FROM names an ssl_engine training checkpoint that loads without code."""
-    from ssl_engine.checkpoint import is_engine_checkpoint
+    from ssl_engine.checkpoint import is_engine_checkpoint, resume_from_file
     from ssl_engine.errors import CheckpointError
 
     if not cfg.CHECKPOINT.RESUME_FROM:
         return
-    path = Path(str(cfg.CHECKPOINT.RESUME_FROM)).expanduser()
-    if not path.is_file():
-        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
+    path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
     data = peek_checkpoint(path)
     if cfg.engine_name == "train" and not (
         is_engine_checkpoint(data) and isinstance(data["classy_state_dict"].get("base_model"), dict)

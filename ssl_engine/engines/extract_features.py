@@ -31,7 +31,7 @@ import torch
 
 from ssl_engine import distributed as du
 from ssl_engine import preemption
-from ssl_engine.checkpoint import load_checkpoint, newest_good_checkpoint
+from ssl_engine.checkpoint import load_checkpoint, newest_good_checkpoint, resume_from_file
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.validate import without_unextracted_splits
 from ssl_engine.distributed import RankInfo
@@ -90,10 +90,7 @@ def weights_checkpoint(cfg: AttrDict) -> Optional[str]:
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
         return None
     if cfg.CHECKPOINT.RESUME_FROM:
-        path = Path(str(cfg.CHECKPOINT.RESUME_FROM)).expanduser()
-        if not path.is_file():
-            raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
-        return str(path)
+        return str(resume_from_file(cfg.CHECKPOINT.RESUME_FROM))
     found = newest_good_checkpoint(Path(str(cfg.CHECKPOINT.DIR)))
     return str(found[0]) if found else None
 

@@ -14,6 +14,7 @@ from ssl_engine.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     newest_good_checkpoint,
+    resume_from_file,
 )
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.compose import to_yaml
@@ -43,9 +44,7 @@ def clear_finished_run(folder: Path) -> None:
 def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
     """The checkpoint this run continues from, loaded: RESUME_FROM, else the folder's newest good one."""
     if cfg.CHECKPOINT.RESUME_FROM:
-        path = Path(str(cfg.CHECKPOINT.RESUME_FROM)).expanduser()
-        if not path.is_file():
-            raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
+        path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
         data = load_checkpoint(path)
         if not is_engine_checkpoint(data):
             raise CheckpointError(

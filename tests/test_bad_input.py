@@ -331,6 +331,19 @@ def test_a_label_beyond_a_heads_classes_found_by_the_run_is_one_line(tmp_path):
         assert text in err, err
 
 
+def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp_path):
+    """33 samples in batches of 16 leave a last batch of 1, which BatchNorm cannot train on:
+    one line with the arithmetic and DROP_LAST, exit 2 (was a ValueError traceback)."""
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.DATA.TRAIN.DATA_LIMIT=33",
+                            "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,16,10],use_bn:true}]]"])
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err[-3000:]
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    for text in ("config.DATA.TRAIN: 33 samples per rank in batches of 16 leave a last batch of 1",
+                 "BatchNorm", "config.DATA.TRAIN.DROP_LAST=true"):
+        assert text in err, err
+
+
 def test_debug_shows_the_traceback(folders, tmp_path):
     proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path}", "config.OPTIMIZER.num_epoch=3", "--debug"])
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr

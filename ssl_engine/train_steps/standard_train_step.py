@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
-from ssl_engine.errors import NonFiniteLossError
+from ssl_engine.errors import NonFiniteLossError, UserError
 from ssl_engine.models.label_range import explain_label_error
 from ssl_engine.registry import TRAIN_STEPS
 
@@ -238,7 +238,11 @@ def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Ten
     Padded rows (see real_rows) are left out of meters, and out of the loss of test phases,
     when the outputs and target have one row per sample; train phases still train on them.
     """
-    output = task.model(inputs)
+    try:
+        output = task.model(inputs)
+    except ValueError as e:  # no cost until raised (python >= 3.11)
+        explain_one_sample_batch(task, inputs, e)
+        raise
     task.last_model_output = output
     task.run_hooks("on_forward")
     per_row = valid is not None and _rows_match(output, valid.numel()) and _rows_match(target, valid.numel())
@@ -254,6 +258,26 @@ def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Ten
         explain_label_error(task, output, target, task.loss)
         raise
     return output, loss, per_row
+
+
+def explain_one_sample_batch(task: Any, inputs: Any, error: ValueError) -> None:
+    """A BatchNorm layer in training cannot normalise one value per channel: a batch of one
+    sample whose features reach it as 1x1 (or as a vector) fails. That batch is almost always
+    the last, short batch of an epoch, so the message gives the arithmetic and the two fixes."""
+    if "more than 1 value per channel" not in str(error):
+        return
+    split = "TRAIN" if task.train else "TEST"
+    first = inputs if isinstance(inputs, torch.Tensor) else inputs[0]
+    rows = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 1
+    data = task.config.DATA[split]
+    per_rank = len(task.dataloaders[split].sampler) if split in getattr(task, "dataloaders", {}) else None
+    where = (f"{per_rank} samples per rank in batches of {data.BATCHSIZE_PER_REPLICA} leave a last batch of "
+             f"{rows}" if per_rank is not None else f"a batch of {rows} sample(s)")
+    raise UserError(
+        f"config.DATA.{split}: {where}, and a BatchNorm layer of the model cannot train on one value per "
+        f"channel (iteration {task.iteration}); set config.DATA.{split}.DROP_LAST=true, or change "
+        f"BATCHSIZE_PER_REPLICA or the number of samples"
+    ) from None
 
 
 def _update(task: Any) -> None:

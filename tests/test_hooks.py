@@ -904,6 +904,27 @@ def test_metrics_file_drops_lines_of_phases_the_run_will_redo(tmp_path: Path) ->
     assert path.stat().st_mtime_ns == before
 
 
+def test_tensorboard_hides_the_events_a_resumed_run_redoes(tmp_path: Path) -> None:
+    """A killed run logged iterations 2..10; its checkpoint holds 6: the rerun's events for 8 and
+    10 replace the killed run's (purge_step), and TensorBoard shows each step once."""
+    import time
+
+    from ssl_engine.hooks.tensorboard import TensorboardWriter, read_scalars
+
+    def run(steps, value, resume_at=None):
+        w = TensorboardWriter(tmp_path / "tb")
+        if resume_at is not None:
+            w.rewind(lambda stats: True, resume_at)
+        for step in steps:
+            w.write({"phase_type": "train", "iteration": step, "loss": value})
+        w.close()
+        time.sleep(1.1)  # event file names carry the second they were opened in
+
+    run([2, 4, 6, 8, 10], 1.0)
+    run([8, 10], 2.0, resume_at=6)
+    assert read_scalars(tmp_path / "tb")["Training/loss"] == [(2, 1.0), (4, 1.0), (6, 1.0), (8, 2.0), (10, 2.0)]
+
+
 def test_stdout_json_drops_the_iterations_a_resumed_run_redoes(tmp_path: Path) -> None:
     """Lines past the checkpoint (and half a line) go at start; lines before it stay, byte for byte."""
     from types import SimpleNamespace

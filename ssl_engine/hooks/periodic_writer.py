@@ -41,10 +41,11 @@ class Writer:
     def start(self) -> None:
         """The run starts (rank 0): e.g. repair what a killed run left in the file."""
 
-    def rewind(self, logged_before: Callable[[Dict[str, Any]], bool]) -> None:
+    def rewind(self, logged_before: Callable[[Dict[str, Any]], bool], iteration: int = 0) -> None:
         """After ``start``: forget what a killed run wrote past the checkpoint this run resumes
         from, since those iterations run (and are logged) again. ``logged_before(stats)`` says
-        whether a ``write``'s stats belong to the iterations the checkpoint holds."""
+        whether a ``write``'s stats belong to the iterations the checkpoint holds; ``iteration``
+        is the checkpoint's global iteration (0 for a run that starts from scratch)."""
 
     def write(self, stats: Dict[str, Any]) -> None:
         pass
@@ -142,7 +143,7 @@ class JsonLinesWriter(Writer):
         if self._fd is None and self.path.is_file():
             self._open()  # a line a killed run left half written is cut off now, not after the next line
 
-    def rewind(self, logged_before: Callable[[Dict[str, Any]], bool]) -> None:
+    def rewind(self, logged_before: Callable[[Dict[str, Any]], bool], iteration: int = 0) -> None:
         """Drop the trailing lines of iterations the resumed run redoes (a line per iteration, once)."""
         if self._fd is not None or self.path.is_file():
             dropped = drop_trailing_records(self._open(), logged_before)
@@ -216,7 +217,7 @@ class PeriodicWriterHook(SSLHook):
                     start()
                 rewind = getattr(w, "rewind", None)
                 if rewind is not None:
-                    rewind(logged)
+                    rewind(logged, task.iteration)
 
     def on_phase_start(self, task: Any) -> None:
         self._losses.clear()

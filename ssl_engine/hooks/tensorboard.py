@@ -40,6 +40,14 @@ class TensorboardWriter(Writer):
         self.log_dir = Path(log_dir)
         self.flush_secs = int(flush_secs)
         self._writer: Any = None
+        self._purge_step: Any = None
+
+    def rewind(self, logged_before: Any, iteration: int = 0) -> None:
+        """A resumed run (or a rerun in a folder with events): the events a killed run wrote
+        past the checkpoint's iteration are hidden (SummaryWriter's purge_step), so the redone
+        iterations show once instead of twice."""
+        if any(self.log_dir.glob("events.out.tfevents.*")):
+            self._purge_step = int(iteration) + 1
 
     @property
     def summary_writer(self) -> Any:
@@ -48,7 +56,9 @@ class TensorboardWriter(Writer):
             from torch.utils.tensorboard import SummaryWriter
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self.flush_secs)
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self.flush_secs,
+                                         purge_step=self._purge_step)
+            self._purge_step = None  # once: a later reopen (after close) appends
         return self._writer
 
     def write(self, stats: Dict[str, Any]) -> None:
@@ -109,12 +119,14 @@ class TensorboardParamsHook(SSLHook):
 
 
 def read_scalars(log_dir: Path) -> Dict[str, list]:
-    """{tag: [(step, value), ...]} of the events under ``log_dir`` (for tests and tools)."""
+    """{tag: [(step, value), ...]} of the events under ``log_dir`` (for tests and tools), read
+    per folder as TensorBoard reads a run: its files in order, a later file's purge_step hiding
+    the earlier files' events from that step on."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out: Dict[str, list] = {}
-    for events in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    for folder in sorted({p.parent for p in Path(log_dir).rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
             out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))

@@ -83,7 +83,8 @@ ROWS: List[Row] = [
     R("yaml-duplicate-key", ("config={fx}/duplicate.yaml",),
       ("{fx}/duplicate.yaml:4", "duplicate key 'LOG_FREQUENCY'")),
     R("config-no-such-name", ("config=quick/supervised_digit",),
-      ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits")),
+      ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits",
+       "SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding config/quick/supervised_digit.yaml)")),
     R("config-no-such-file", ("config={fx}/nothere.yaml",), ("config={fx}/nothere.yaml: no such file",)),
     # -- the command line ---------------------------------------------------------------------------
     R("override-not-key-value", ("config.OPTIMIZER.num_epochs",),

@@ -325,7 +325,7 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
     near = closest(name, known_experiments(), n=3)
     hint = f"; nearest: {', '.join(near)}" if near else ""
     dirs = ", ".join(str(d / "config") for d in config_search_dirs()) or "(no configs/config folder found)"
-    raise ConfigError(f"config={value} matches no file under {dirs}{hint}")
+    raise ConfigError(f"config={value} matches no file under {dirs}{hint}; {search_path_note(f'config/{name}.yaml')}")
 
 
 def _refuse_folder(value: str, name: str) -> None:

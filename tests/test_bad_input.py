@@ -114,6 +114,16 @@ ROWS: List[Row] = [
                                    "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                                    "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels5.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
       ("config.DATA.TRAIN.LABEL_PATHS[0]", "{fx}/labels5.npy", "has 5 labels", "has 6 samples")),
+    R("labels-fractional", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
+                            "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                            "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_half.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("config.DATA.TRAIN.LABEL_PATHS[0]", "{fx}/labels_half.npy", "the label 0.5 at index 1", "integer class indices")),
+    R("labels-float-beyond-head", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                                   "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
+                                   "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                                   "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_float100.npy]",
+                                   "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("MODEL.HEAD.PARAMS[0] (mlp)", "outputs 10 classes", "has label 100", "at least 101 classes"), tool=False),
     R("loss-needs-labels-none-given", ("config.DATA.TRAIN.LABEL_SOURCES=[]",),
       ("config.LOSS.name=cross_entropy_multiple_output_single_target", "config.DATA.TRAIN.LABEL_SOURCES is empty",
        "LABEL_TYPE=sample_index")),
@@ -195,6 +205,8 @@ def make_fixture_files(fx: Path) -> None:
             paths.append(str(p))
     np.save(fx / "images.npy", np.array(paths))
     np.save(fx / "labels5.npy", np.arange(5))
+    np.save(fx / "labels_half.npy", np.array([0.0, 0.5, 1.0, 1.0, 0.0, 1.0]))
+    np.save(fx / "labels_float100.npy", np.array([0.0, 1.0, 100.0, 1.0, 0.0, 1.0]))
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")
     torch.save({"phase_idx": 0, "classy_state_dict": {"base_model": Payload(str(fx / "PWNED"))}}, fx / "payload.torch")
     (fx / "garbage.torch").write_bytes(b"not a checkpoint")

@@ -3,6 +3,7 @@
 import logging
 import os
 import random
+import re
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -195,6 +196,54 @@ def test_disk_filelist_npy_and_txt_with_labels(tmp_path: Any) -> None:
                    LABEL_PATHS=[bad], DATA_LIMIT=-1)
     with pytest.raises(UserError, match=r"LABEL_PATHS\[0\].*has 3 labels.*has 4 samples"):
         build_dataset(cfg, "TRAIN")
+
+
+def _filelist_cfg(tmp_path: Any, labels: Any = None, n: int = 4, **keys: Any) -> AttrDict:
+    """A disk_filelist config over ``n`` images (a .npy list), with LABEL_PATHS from ``labels``
+    (an array saved as .npy, or a str that is the label file's path)."""
+    root = str(tmp_path / "imgs")
+    write_image_tree(root, {"a": (n + 1) // 2, "b": n // 2})
+    paths = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs)
+    lst = str(tmp_path / "files.npy")
+    np.save(lst, np.array(paths, dtype=str))
+    split_keys: Dict[str, Any] = {"DATA_SOURCES": ["disk_filelist"], "DATA_PATHS": [lst], "LABEL_SOURCES": [],
+                                  "DATA_LIMIT": -1}
+    if labels is not None:
+        lab = labels if isinstance(labels, str) else str(tmp_path / "labels.npy")
+        if not isinstance(labels, str):
+            np.save(lab, labels)
+        split_keys.update(LABEL_SOURCES=["disk_filelist"], LABEL_PATHS=[lab])
+    split_keys.update(keys)
+    return make_cfg(**split_keys)
+
+
+def test_filelist_integer_valued_float_labels_are_int_class_indices(tmp_path: Any) -> None:
+    ds = build_dataset(_filelist_cfg(tmp_path, np.array([0.0, 3.0, 1.0, 2.0])), "TRAIN")
+    labels = ds.get_labels()
+    assert labels.dtype == np.int64 and labels.tolist() == [0, 3, 1, 2]
+    txt = tmp_path / "labels.txt"
+    txt.write_text("1.0\n2\n 0 \n3.0\n")
+    assert build_dataset(_filelist_cfg(tmp_path, str(txt)), "TRAIN").get_labels().tolist() == [1, 2, 0, 3]
+
+
+@pytest.mark.parametrize("labels, shown", [
+    ([0.0, 0.5, 1.0, 1.7], "0.5 at index 1"),
+    ([np.nan, 1.0, 1.0, 0.0], "nan at index 0"),
+    ([0.0, 1.0, np.inf, 0.0], "inf at index 2"),
+    ([0.0, 1.0, 2.0, 1e300], "1e+300 at index 3"),
+])
+def test_filelist_fractional_or_non_finite_labels_are_a_user_error(tmp_path: Any, labels: List[float], shown: str) -> None:
+    """A cast would silently make 0.5 class 0 and NaN a huge negative class."""
+    with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.LABEL_PATHS\[0\]: '.*labels\.npy' holds the label "
+                                        + re.escape(shown) + ".*integer class indices"):
+        build_dataset(_filelist_cfg(tmp_path, np.array(labels)), "TRAIN")
+
+
+def test_filelist_text_label_that_is_not_a_number_is_a_user_error(tmp_path: Any) -> None:
+    txt = tmp_path / "labels.txt"
+    txt.write_text("1\n2\ncat\n0\n")
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*labels\.txt' holds 'cat' at index 2, not a number"):
+        build_dataset(_filelist_cfg(tmp_path, str(txt)), "TRAIN")
 
 
 def test_config_errors_for_sources() -> None:

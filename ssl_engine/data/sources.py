@@ -330,10 +330,47 @@ def load_filelist_labels(path: str, split: str, label_index: int) -> np.ndarray:
     arr = np.asarray(load_list_file(path, "the disk_filelist label source", key, mmap=False))
     if arr.ndim != 1:
         raise UserError(f"{key}: {path!r} must hold a 1-D array of integer labels, got shape {arr.shape}")
-    try:
+    return integer_labels(arr, key, path)
+
+
+_VALID_LABELS = "labels must be integer class indices (0, 1, 2, ...; integer-valued floats such as 1.0 are read as ints)"
+
+
+def integer_labels(arr: np.ndarray, key: str, path: str) -> np.ndarray:
+    """The 1-D label array ``arr`` of file ``path`` (config ``key``) as int64 class indices.
+
+    Integer-valued floats (1.0: labels kept in a float array) become ints, so the label-range
+    check before launch applies to them. A fractional, NaN or infinite label is a UserError
+    naming the first one: a cast would silently truncate 0.5 to class 0 and turn NaN into a
+    huge negative class. Text labels (.txt) may be written either way.
+    """
+    kind = arr.dtype.kind
+    if kind in "iub":
         return arr.astype(np.int64)
-    except ValueError as exc:
-        raise UserError(f"{key}: {path!r} must hold integer labels ({exc})") from exc
+    if kind in "US":
+        try:
+            return arr.astype(np.int64)
+        except (ValueError, OverflowError):
+            arr, kind = _text_to_floats(arr, key, path), "f"
+    if kind != "f":
+        raise UserError(f"{key}: {path!r} holds {arr.dtype} values; {_VALID_LABELS}")
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(arr) & (np.abs(arr) < 2.0**53) & (arr == np.round(arr))
+    if not ok.all():
+        i = int(np.argmin(ok))
+        raise UserError(f"{key}: {path!r} holds the label {float(arr[i])!r} at index {i}; {_VALID_LABELS}")
+    return arr.astype(np.int64)
+
+
+def _text_to_floats(arr: np.ndarray, key: str, path: str) -> np.ndarray:
+    """Text labels as float64; a UserError naming the first entry that is not a number."""
+    out = np.empty(len(arr), dtype=np.float64)
+    for i, text in enumerate(arr.tolist()):
+        try:
+            out[i] = float(text)
+        except ValueError:
+            raise UserError(f"{key}: {path!r} holds {text!r} at index {i}, not a number; {_VALID_LABELS}") from None
+    return out
 
 
 def normalize_paths(paths: Any, split: str, key: str) -> List[str]:

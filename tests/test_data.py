@@ -246,6 +246,19 @@ def test_filelist_text_label_that_is_not_a_number_is_a_user_error(tmp_path: Any)
         build_dataset(_filelist_cfg(tmp_path, str(txt)), "TRAIN")
 
 
+@pytest.mark.parametrize("name", ["list.npy", "list.txt"])
+def test_filelist_empty_file_is_a_user_error(tmp_path: Any, name: str) -> None:
+    """A 0-byte list (an interrupted copy): numpy's EOFError would be a traceback."""
+    empty = tmp_path / name
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: '.*list\.(npy|txt)' is empty \(0 bytes\); expected a "
+                                        r"\.npy array of image paths or a \.txt list, one per line"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(empty)], LABEL_SOURCES=[]), "TRAIN")
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*list\.(npy|txt)' is empty \(0 bytes\); expected a "
+                                        r"\.npy array of integer labels"):
+        build_dataset(_filelist_cfg(tmp_path, str(empty)), "TRAIN")
+
+
 def test_config_errors_for_sources() -> None:
     with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_SOURCES is empty"):
         build_dataset(make_cfg(DATA_SOURCES=[]), "TRAIN")

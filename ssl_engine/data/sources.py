@@ -256,12 +256,19 @@ class DiskFolderSource:
         return open_rgb(self.paths[idx])
 
 
-def load_list_file(path: str, what: str, key: str, mmap: bool = False) -> np.ndarray:
-    """Load a .npy array or a .txt list (one entry per line) named by config ``key``."""
+def load_list_file(path: str, what: str, key: str, mmap: bool = False, entries: str = "entries") -> np.ndarray:
+    """Load a .npy array or a .txt list (one entry per line) named by config ``key``.
+
+    ``what`` names the reader and ``entries`` what the file lists, for the messages.
+    """
     if not path:
         raise UserError(f"{key} is missing: {what} needs a .npy or .txt file")
     if not os.path.isfile(path):
         raise UserError(f"{key}: file {path!r} does not exist")
+    if os.path.getsize(path) == 0:
+        raise UserError(
+            f"{key}: {path!r} is empty (0 bytes); expected a .npy array of {entries} or a .txt list, one per line"
+        )
     if path.endswith(".npy"):
         try:
             return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
@@ -290,7 +297,9 @@ class DiskFilelistSource:
         scfg = split_cfg(cfg, split)
         key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
         self.list_path = path
-        self._paths = load_list_file(path, "disk_filelist", key, mmap=bool(scfg.get("MMAP_MODE", True)))
+        self._paths = load_list_file(
+            path, "disk_filelist", key, mmap=bool(scfg.get("MMAP_MODE", True)), entries="image paths"
+        )
         if self._paths.ndim != 1:
             raise UserError(f"{key}: {path!r} must hold a 1-D list of image paths, got shape {self._paths.shape}")
         if len(self._paths) == 0:
@@ -327,7 +336,7 @@ class DiskFilelistSource:
 def load_filelist_labels(path: str, split: str, label_index: int) -> np.ndarray:
     """Integer labels from ``LABEL_PATHS[label_index]`` (.npy or .txt, one label per image)."""
     key = f"{data_key(split, 'LABEL_PATHS')}[{label_index}]"
-    arr = np.asarray(load_list_file(path, "the disk_filelist label source", key, mmap=False))
+    arr = np.asarray(load_list_file(path, "the disk_filelist label source", key, entries="integer labels"))
     if arr.ndim != 1:
         raise UserError(f"{key}: {path!r} must hold a 1-D array of integer labels, got shape {arr.shape}")
     return integer_labels(arr, key, path)

@@ -127,6 +127,10 @@ ROWS: List[Row] = [
     R("data-list-empty-file", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/empty.npy]",
                                "config.DATA.TRAIN.LABEL_SOURCES=[]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/empty.npy", "is empty (0 bytes)", "a .txt list, one per line")),
+    R("data-list-not-utf8", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/latin1.txt]",
+                             "config.DATA.TRAIN.LABEL_SOURCES=[]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/latin1.txt", "caf\\udce9.png", "does not exist",
+       "not UTF-8: byte 0xe9")),
     R("loss-needs-labels-none-given", ("config.DATA.TRAIN.LABEL_SOURCES=[]",),
       ("config.LOSS.name=cross_entropy_multiple_output_single_target", "config.DATA.TRAIN.LABEL_SOURCES is empty",
        "LABEL_TYPE=sample_index")),
@@ -209,6 +213,7 @@ def make_fixture_files(fx: Path) -> None:
     np.save(fx / "images.npy", np.array(paths))
     np.save(fx / "labels5.npy", np.arange(5))
     (fx / "empty.npy").write_bytes(b"")
+    (fx / "latin1.txt").write_bytes(b"/nowhere/caf\xe9.png\n")
     np.save(fx / "labels_half.npy", np.array([0.0, 0.5, 1.0, 1.0, 0.0, 1.0]))
     np.save(fx / "labels_float100.npy", np.array([0.0, 1.0, 100.0, 1.0, 0.0, 1.0]))
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")

@@ -259,6 +259,34 @@ def test_filelist_empty_file_is_a_user_error(tmp_path: Any, name: str) -> None:
         build_dataset(_filelist_cfg(tmp_path, str(empty)), "TRAIN")
 
 
+def test_filelist_txt_with_non_utf8_names_reads_the_files_on_disk(tmp_path: Any) -> None:
+    """File names on Linux are bytes: a latin-1 .txt list names latin-1 files that exist."""
+    folder = os.fsencode(str(tmp_path))
+    names = [folder + b"/caf\xe9.png", folder + b"/na\xefve.png", folder + b"/plain.png"]
+    for i, name in enumerate(names):
+        with open(name, "wb") as f:
+            Image.new("RGB", (4, 4), (i * 50, 0, 0)).save(f, format="PNG")
+    txt = tmp_path / "files.txt"
+    txt.write_bytes(b"\n".join(names) + b"\n")
+    ds = build_dataset(make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(txt)], LABEL_SOURCES=[],
+                                DATA_LIMIT=-1), "TRAIN")
+    assert len(ds) == 3
+    assert [ds.sources[0].get(i).getpixel((0, 0))[0] for i in range(3)] == [0, 50, 100]
+
+
+def test_filelist_txt_not_utf8_whose_names_do_not_exist_names_the_byte(tmp_path: Any) -> None:
+    txt = tmp_path / "files.txt"
+    txt.write_bytes(b"/nowhere/caf\xe9.png\n")
+    with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: the first image listed in '.*files\.txt', "
+                                        r"'/nowhere/caf\\udce9\.png', does not exist \(the name is not UTF-8: byte "
+                                        r"0xe9 at offset 12;"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(txt)], LABEL_SOURCES=[]), "TRAIN")
+    labels = tmp_path / "labels.txt"
+    labels.write_bytes(b"0\n1\n\xe9\n1\n")
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*labels\.txt' holds '\\udce9' at index 2, not a number"):
+        build_dataset(_filelist_cfg(tmp_path, str(labels)), "TRAIN")
+
+
 def test_config_errors_for_sources() -> None:
     with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_SOURCES is empty"):
         build_dataset(make_cfg(DATA_SOURCES=[]), "TRAIN")

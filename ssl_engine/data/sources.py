@@ -19,6 +19,7 @@ Sources are deterministic: ``get(idx)`` is the same image in every process, so t
 order and augmentation depend only on (seed, epoch, sample index) (DESIGN rule 8).
 """
 
+import codecs
 import functools
 import os
 from typing import Any, List, Sequence, Tuple
@@ -278,9 +279,39 @@ def load_list_file(path: str, what: str, key: str, mmap: bool = False, entries: 
                 f"e.g. np.save(path, np.array(entries, dtype=str))"
             ) from exc
     if path.endswith(".txt"):
-        with open(path, "r", encoding="utf-8") as f:
-            return np.asarray([line.strip() for line in f if line.strip()])
+        return read_text_list(path)
     raise UserError(f"{key}: {path!r} must be a .npy or .txt file")
+
+
+def read_text_list(path: str) -> np.ndarray:
+    """The non-blank lines of a .txt list, stripped, as a str array.
+
+    Lines are decoded as the OS decodes file names (``os.fsdecode``: UTF-8, and a byte that is
+    not UTF-8 kept as a surrogate escape), since file names on Linux are bytes: a list of
+    non-UTF-8 names (latin-1 from an old machine) still names the files on disk, because
+    ``open`` encodes such a str back to the same bytes. A UTF-8 byte-order mark is dropped.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    lines = (os.fsdecode(line).strip() for line in data.splitlines())
+    return np.asarray([line for line in lines if line])
+
+
+def _not_utf8_hint(path: str) -> str:
+    """For a listed path that was not UTF-8 in its list: a hint naming the first such byte, else ''."""
+    try:
+        raw = os.fsencode(path)
+        raw.decode("utf-8")
+    except UnicodeEncodeError:
+        return ""  # not a name the OS could have given: nothing to say about its bytes
+    except UnicodeDecodeError as exc:
+        return (
+            f" (the name is not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}; if the names on disk "
+            f"are UTF-8, save the list as UTF-8)"
+        )
+    return ""
 
 
 @DATA_SOURCES.register("disk_filelist")
@@ -309,7 +340,8 @@ class DiskFilelistSource:
         first = self.path(0)
         if not os.path.exists(first):
             raise UserError(
-                f"{key}: the first image listed in {path!r}, {first!r}, does not exist; fix the list or "
+                f"{key}: the first image listed in {path!r}, {first!r}, does not exist{_not_utf8_hint(first)}; "
+                f"fix the list or "
                 f"rewrite prefixes with {data_key(split, 'REMOVE_IMG_PATH_PREFIX')} / "
                 f"{data_key(split, 'NEW_IMG_PATH_PREFIX')}"
             )

@@ -131,6 +131,14 @@ ROWS: List[Row] = [
                              "config.DATA.TRAIN.LABEL_SOURCES=[]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/latin1.txt", "caf\\udce9.png", "does not exist",
        "not UTF-8: byte 0xe9")),
+    R("data-list-is-a-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images]",
+                                "config.DATA.TRAIN.LABEL_SOURCES=[]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/images' is a folder", "a .npy or .txt file listing image paths",
+       "disk_folder source in config.DATA.TRAIN.DATA_SOURCES")),
+    R("data-list-truncated", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                              "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_truncated.npy]", "config.DATA.TRAIN.LABEL_SOURCES=[]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/images_truncated.npy' is truncated or corrupt", "shape (6,)"),
+      tool=False),
     R("loss-needs-labels-none-given", ("config.DATA.TRAIN.LABEL_SOURCES=[]",),
       ("config.LOSS.name=cross_entropy_multiple_output_single_target", "config.DATA.TRAIN.LABEL_SOURCES is empty",
        "LABEL_TYPE=sample_index")),
@@ -211,6 +219,7 @@ def make_fixture_files(fx: Path) -> None:
             Image.fromarray(rng.randint(0, 255, (8, 8, 3), dtype=np.uint8)).save(p)
             paths.append(str(p))
     np.save(fx / "images.npy", np.array(paths))
+    (fx / "images_truncated.npy").write_bytes((fx / "images.npy").read_bytes()[:-30])
     np.save(fx / "labels5.npy", np.arange(5))
     (fx / "empty.npy").write_bytes(b"")
     (fx / "latin1.txt").write_bytes(b"/nowhere/caf\xe9.png\n")

@@ -287,6 +287,39 @@ def test_filelist_txt_not_utf8_whose_names_do_not_exist_names_the_byte(tmp_path:
         build_dataset(_filelist_cfg(tmp_path, str(labels)), "TRAIN")
 
 
+def test_filelist_path_that_is_a_folder_says_so(tmp_path: Any) -> None:
+    cfg = _filelist_cfg(tmp_path, str(tmp_path / "imgs"))
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*imgs' is a folder; the disk_filelist label source "
+                                        r"expects a \.npy or \.txt file listing integer labels.*disk_folder source in "
+                                        r"config\.DATA\.TRAIN\.LABEL_SOURCES"):
+        build_dataset(cfg, "TRAIN")
+    cfg.DATA.TRAIN.DATA_PATHS = [str(tmp_path / "imgs")]
+    with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: '.*imgs' is a folder; disk_filelist expects a \.npy or "
+                                        r"\.txt file listing image paths.*config\.DATA\.TRAIN\.DATA_SOURCES"):
+        build_dataset(cfg, "TRAIN")
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_filelist_truncated_or_foreign_npy_says_what_is_wrong(tmp_path: Any, mmap: bool) -> None:
+    cfg = _filelist_cfg(tmp_path, MMAP_MODE=mmap)
+    lst = cfg.DATA.TRAIN.DATA_PATHS[0]
+    whole = open(lst, "rb").read()
+    for damage, message in [
+        (whole[: len(whole) - 40], r"is truncated or corrupt: its header says shape \(4,\) of <U\d+ \(\d+ bytes with "
+                                   r"the header\) but the file has \d+ bytes"),
+        (whole[:20], r"has a truncated or corrupt NumPy header"),
+        (b"just some text\n", r"is not a \.npy file \(no NumPy header\)"),
+        (b"\x80\x04\x95 pickled", r"holds pickled Python data, which is never loaded"),
+    ]:
+        with open(lst, "wb") as f:
+            f.write(damage)
+        with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: '.*files\.npy' " + message):
+            build_dataset(cfg, "TRAIN")
+    np.save(lst, np.array([object(), 1], dtype=object), allow_pickle=True)
+    with pytest.raises(UserError, match=r"holds Python objects, which load only with pickle"):
+        build_dataset(cfg, "TRAIN")
+
+
 def test_config_errors_for_sources() -> None:
     with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_SOURCES is empty"):
         build_dataset(make_cfg(DATA_SOURCES=[]), "TRAIN")

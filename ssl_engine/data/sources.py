@@ -264,6 +264,12 @@ def load_list_file(path: str, what: str, key: str, mmap: bool = False, entries: 
     """
     if not path:
         raise UserError(f"{key} is missing: {what} needs a .npy or .txt file")
+    if os.path.isdir(path):
+        sources_key = key.split("[")[0].replace("_PATHS", "_SOURCES")
+        raise UserError(
+            f"{key}: {path!r} is a folder; {what} expects a .npy or .txt file listing {entries}, one per image "
+            f"(for a folder with one subfolder per class, use the disk_folder source in {sources_key})"
+        )
     if not os.path.isfile(path):
         raise UserError(f"{key}: file {path!r} does not exist")
     if os.path.getsize(path) == 0:
@@ -271,16 +277,52 @@ def load_list_file(path: str, what: str, key: str, mmap: bool = False, entries: 
             f"{key}: {path!r} is empty (0 bytes); expected a .npy array of {entries} or a .txt list, one per line"
         )
     if path.endswith(".npy"):
-        try:
-            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except ValueError as exc:
-            raise UserError(
-                f"{key}: cannot load {path!r} without pickle ({exc}); save it as a plain array, "
-                f"e.g. np.save(path, np.array(entries, dtype=str))"
-            ) from exc
+        return _load_npy(path, key, mmap)
     if path.endswith(".txt"):
         return read_text_list(path)
     raise UserError(f"{key}: {path!r} must be a .npy or .txt file")
+
+
+_SAVE_PLAIN = "save it as a plain array, e.g. np.save(path, np.array(entries, dtype=str))"
+
+
+def _load_npy(path: str, key: str, mmap: bool) -> np.ndarray:
+    """``np.load`` of a list file without pickle; a UserError saying what is wrong with the file."""
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
+        problem = npy_problem(path) or f"cannot be loaded without pickle ({exc}); {_SAVE_PLAIN}"
+        raise UserError(f"{key}: {path!r} {problem}") from exc
+
+
+def npy_problem(path: str) -> str:
+    """Why ``path`` cannot be loaded as a plain .npy array, compared against its own header:
+    not a .npy file, a corrupt header, Python objects (pickle), or fewer data bytes than the
+    header's shape x itemsize (truncated). '' when the file looks whole."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        start = f.read(6)
+        if start[:1] == b"\x80":
+            return f"holds pickled Python data, which is never loaded (it could run code); {_SAVE_PLAIN}"
+        if start != b"\x93NUMPY":
+            return "is not a .npy file (no NumPy header); write it with np.save, or use a .txt list, one per line"
+        f.seek(0)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version[0] == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+        except (ValueError, EOFError, OSError) as exc:
+            return f"has a truncated or corrupt NumPy header ({exc}); write it again with np.save"
+        offset = f.tell()
+    if dtype.hasobject:
+        return f"holds Python objects, which load only with pickle (never done here: it could run code); {_SAVE_PLAIN}"
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size < expected:
+        return (
+            f"is truncated or corrupt: its header says shape {tuple(shape)} of {dtype.str} "
+            f"({expected} bytes with the header) but the file has {size} bytes; write it again with np.save"
+        )
+    return ""
 
 
 def read_text_list(path: str) -> np.ndarray:

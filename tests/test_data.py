@@ -320,6 +320,18 @@ def test_filelist_truncated_or_foreign_npy_says_what_is_wrong(tmp_path: Any, mma
         build_dataset(cfg, "TRAIN")
 
 
+@pytest.mark.parametrize("mmap", [True, False])
+def test_filelist_of_bytes_names_the_files(tmp_path: Any, mmap: bool) -> None:
+    """np.array([p.encode() ...]) (dtype 'S') holds names as bytes: they are decoded, not shown as "b'/path'"."""
+    cfg = _filelist_cfg(tmp_path, MMAP_MODE=mmap)
+    lst = cfg.DATA.TRAIN.DATA_PATHS[0]
+    paths = [str(p) for p in np.load(lst)]
+    np.save(lst, np.array([os.fsencode(p) for p in paths]))
+    ds = build_dataset(cfg, "TRAIN")
+    assert [ds.sources[0].path(i) for i in range(len(ds))] == paths
+    assert ds.sources[0].get(3).size == (8, 8)
+
+
 def test_config_errors_for_sources() -> None:
     with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_SOURCES is empty"):
         build_dataset(make_cfg(DATA_SOURCES=[]), "TRAIN")

@@ -392,7 +392,9 @@ class DiskFilelistSource:
         return len(self._paths)
 
     def path(self, idx: int) -> str:
-        p = str(self._paths[idx])
+        p = self._paths[idx]
+        # a list of bytes (np.array([p.encode() ...]), dtype 'S') holds file names as the OS stores them
+        p = os.fsdecode(p) if isinstance(p, bytes) else str(p)
         if self.remove_prefix and p.startswith(self.remove_prefix):
             p = p[len(self.remove_prefix):]
             p = self.new_prefix + p

@@ -21,14 +21,17 @@ order and augmentation depend only on (seed, epoch, sample index) (DESIGN rule 8
 
 import codecs
 import functools
+import logging
 import os
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Sequence, Set, Tuple
 
 import numpy as np
 from PIL import Image
 
 from ssl_engine.errors import UserError
 from ssl_engine.registry import DATA_SOURCES
+
+logger = logging.getLogger(__name__)
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -206,24 +209,66 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
 
 
+def _folder_id(path: str) -> Tuple[int, int]:
+    """The identity of the real folder ``path`` leads to, through any symlinks: (st_dev, st_ino)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _walk_images(top: str, seen: Set[Tuple[int, int]], skipped: List[str]) -> List[Tuple[str, List[str]]]:
+    """(folder, sorted image names) of ``top`` and every folder below it, ordered by path.
+
+    Symlinks are followed (as ImageFolder does), but each real folder is entered once: a
+    subfolder whose identity is in ``seen`` (a symlink loop such as ``a/loop -> ..``, or a
+    second path to folders already scanned) is not entered and is appended to ``skipped``.
+    Without this a loop makes the scan repeat the tree up to the kernel's 40-symlink limit,
+    and two loops make it exponential.
+    """
+    found: List[Tuple[str, List[str]]] = []
+    for root, dirs, files in os.walk(top, followlinks=True):
+        entered = set()
+        # real subfolders claim their identity before symlinks to them, so a folder is read by its own path
+        for d in sorted(dirs, key=lambda d: (os.path.islink(os.path.join(root, d)), d)):
+            full = os.path.join(root, d)
+            try:
+                ident = _folder_id(full)
+            except OSError:
+                continue  # unreadable: os.walk would not list anything from it either
+            if ident in seen:
+                skipped.append(full)
+                continue
+            seen.add(ident)
+            entered.add(d)
+        dirs[:] = sorted(entered)
+        found.append((root, sorted(n for n in files if _is_image(n))))
+    return sorted(found, key=lambda entry: entry[0])
+
+
 def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) -> Tuple[List[str], np.ndarray, List[str]]:
     """(image paths, labels, class names) of a class-per-subfolder tree, in sorted order.
 
     Like torchvision's ImageFolder: class names are the sorted subfolder names and their label
-    ids are their positions; images are found recursively, in sorted order.
+    ids are their positions; images are found recursively, in sorted order, following symlinks.
+    Each real folder is read once, under its own class: a symlink back to the root, to a class
+    folder or to a folder already scanned is skipped, with one warning naming the first.
     """
     _check_dir(path, split, source_index)
     key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
     classes = sorted(e.name for e in os.scandir(path) if e.is_dir())
+    seen = {_folder_id(path)} | {_folder_id(os.path.join(path, cls)) for cls in classes}
+    skipped: List[str] = []
     paths: List[str] = []
     labels: List[int] = []
     for label, cls in enumerate(classes):
-        for root, dirs, files in sorted(os.walk(os.path.join(path, cls), followlinks=True)):
-            dirs.sort()
-            for name in sorted(files):
-                if _is_image(name):
-                    paths.append(os.path.join(root, name))
-                    labels.append(label)
+        for root, names in _walk_images(os.path.join(path, cls), seen, skipped):
+            paths.extend(os.path.join(root, name) for name in names)
+            labels.extend([label] * len(names))
+    if skipped:
+        logger.warning(
+            "%s: skipped %d folder(s) that lead to a folder already scanned (a symlink loop, or a second path to "
+            "the same images), first %r -> %r; each folder is read once, under the class that reaches it first",
+            key, len(skipped), skipped[0], os.path.realpath(skipped[0]),
+        )
     if not paths:
         loose = [n for n in os.listdir(path) if _is_image(n)]
         hint = (

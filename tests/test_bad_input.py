@@ -109,6 +109,10 @@ ROWS: List[Row] = [
     R("empty-data-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/empty]",
                             "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/empty", "contains no images"), tool=False),
+    R("empty-class-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_empty_class]",
+                             "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "1 class folder(s) of '{fx}/images_empty_class' hold no images: 'zz_empty'",
+       "remove them or put images in them")),
     R("labels-do-not-match-data", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
                                    "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                                    "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
@@ -219,6 +223,8 @@ def make_fixture_files(fx: Path) -> None:
             Image.fromarray(rng.randint(0, 255, (8, 8, 3), dtype=np.uint8)).save(p)
             paths.append(str(p))
     np.save(fx / "images.npy", np.array(paths))
+    shutil.copytree(fx / "images", fx / "images_empty_class")
+    (fx / "images_empty_class" / "zz_empty").mkdir()
     (fx / "images_truncated.npy").write_bytes((fx / "images.npy").read_bytes()[:-30])
     np.save(fx / "labels5.npy", np.arange(5))
     (fx / "empty.npy").write_bytes(b"")

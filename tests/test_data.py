@@ -195,6 +195,24 @@ def test_disk_folder_symlink_loops_are_read_once(tmp_path: Any, caplog: Any) -> 
     assert f"first {str(root / 'a' / 'alias')!r} -> {str(root / 'a' / 'sub')!r}" in warnings[0]
 
 
+def test_disk_folder_empty_class_folders_are_a_user_error(tmp_path: Any) -> None:
+    """As in torchvision's ImageFolder: an empty class folder would still take a label id."""
+    root = tmp_path / "imgs"
+    write_image_tree(str(root), {"a": 2, "b": 2})
+    (root / "zz_empty").mkdir()
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("no images here\n")
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(root)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
+    with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_PATHS\[0\]: 2 class folder\(s\) of '.*imgs' hold no "
+                                        r"images: 'notes', 'zz_empty'; each subfolder is a class, so remove them or put "
+                                        r"images in them"):
+        build_dataset(cfg, "TRAIN")
+    for i in range(7):
+        (root / f"e{i}").mkdir()
+    with pytest.raises(UserError, match=r"9 class folder\(s\) .* 'e0', 'e1', 'e2', 'e3', 'e4' and 4 more;"):
+        build_dataset(cfg, "TRAIN")
+
+
 def test_disk_filelist_npy_and_txt_with_labels(tmp_path: Any) -> None:
     root = str(tmp_path / "imgs")
     write_image_tree(root, {"a": 2, "b": 2})

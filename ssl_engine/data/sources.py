@@ -278,7 +278,24 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
             else f"; expected <folder>/<class>/<image> with extensions {', '.join(IMG_EXTENSIONS)}"
         )
         raise UserError(f"{key}: folder {path!r} contains no images{hint}")
-    return paths, np.asarray(labels, dtype=np.int64), classes
+    label_array = np.asarray(labels, dtype=np.int64)
+    _check_no_empty_class(classes, label_array, path, key)
+    return paths, label_array, classes
+
+
+def _check_no_empty_class(classes: List[str], labels: np.ndarray, path: str, key: str) -> None:
+    """Every class subfolder holds an image, as torchvision's ImageFolder (which VISSL used) requires:
+    an empty one would still take a label id, a class no sample has, which silently shifts what a
+    head's outputs mean against another split's or another run's folders."""
+    counts = np.bincount(labels, minlength=len(classes))
+    empty = [cls for cls, count in zip(classes, counts) if count == 0]
+    if not empty:
+        return
+    shown = ", ".join(repr(c) for c in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    raise UserError(
+        f"{key}: {len(empty)} class folder(s) of {path!r} hold no images: {shown}; each subfolder is a class, so "
+        f"remove them or put images in them (extensions {', '.join(IMG_EXTENSIONS)})"
+    )
 
 
 @DATA_SOURCES.register("disk_folder")

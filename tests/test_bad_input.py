@@ -71,6 +71,8 @@ ROWS: List[Row] = [
     R("negative-batch-size", ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4",),
       ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4", "expected an integer > 0")),
     R("zero-epochs", ("config.OPTIMIZER.num_epochs=0",), ("config.OPTIMIZER.num_epochs=0", "expected an integer > 0")),
+    R("loader-workers-absurd", ("config.DATA.NUM_DATALOADER_WORKERS=100000",),
+      ("config.DATA.NUM_DATALOADER_WORKERS=100000 is out of range", "an integer in 0..1024")),
     R("unknown-device", ("config.MACHINE.DEVICE=tpu",), ("config.MACHINE.DEVICE='tpu'", "one of cpu, gpu")),
     R("log-frequency-zero", ("config.LOG_FREQUENCY=0",), ("config.LOG_FREQUENCY=0", "expected an integer > 0")),
     R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
@@ -446,3 +448,20 @@ def test_more_ranks_than_gpus_is_one_line_before_any_process_starts(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "config.DISTRIBUTED.NUM_PROC_PER_NODE=2" in err[0] and "1 GPU" in err[0], err[0]
+
+
+def test_more_loader_workers_than_the_ranks_machine_can_start_is_one_line(tmp_path, capsys, monkeypatch):
+    """Within the bound checked before launch (which may run on a login node), the rank itself
+    refuses more workers than max(64, 8 x its CPUs) before starting any (2 CPUs pretended)."""
+    from ssl_engine.cli import main
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    try:
+        code = main(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.DATA.NUM_DATALOADER_WORKERS=100"])
+    finally:
+        for h in list(logging.getLogger().handlers):
+            if getattr(h, "_ssl_engine", False):
+                logging.getLogger().removeHandler(h)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "config.DATA.NUM_DATALOADER_WORKERS=100" in err[0] and "(2 CPUs)" in err[0] and "at most 64" in err[0], err[0]

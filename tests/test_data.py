@@ -372,6 +372,23 @@ def test_filelist_of_bytes_names_the_files(tmp_path: Any, mmap: bool) -> None:
     assert ds.sources[0].get(3).size == (8, 8)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_loader_refuses_more_workers_than_its_machine_can_start(monkeypatch: Any) -> None:
+    """100000 workers would hang starting them: the rank that builds the loader refuses more than
+    max(64, 8 x its CPUs); the check before launch (check_cpus=False) leaves that to the rank."""
+    ds = build_dataset(make_cfg(DATA_LIMIT=8), "TRAIN")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(UserError, match=r"^config\.DATA\.NUM_DATALOADER_WORKERS=65 is more loader workers per rank "
+                                        r"than this machine \(2 CPUs\) can start: at most 64"):
+        build_dataloader(ds, make_cfg(workers=65), "TRAIN", rank=0, world_size=1, device="cpu")
+    build_dataloader(ds, make_cfg(workers=65), "TRAIN", rank=0, world_size=1, device="cpu", check_cpus=False)
+    build_dataloader(ds, make_cfg(workers=64), "TRAIN", rank=0, world_size=1, device="cpu")
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    build_dataloader(ds, make_cfg(workers=256), "TRAIN", rank=0, world_size=1, device="cpu")
+    with pytest.raises(UserError, match=r"=257 .*\(32 CPUs\) can start: at most 256"):
+        build_dataloader(ds, make_cfg(workers=257), "TRAIN", rank=0, world_size=1, device="cpu")
+
+
 def test_config_errors_for_sources() -> None:
     with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_SOURCES is empty"):
         build_dataset(make_cfg(DATA_SOURCES=[]), "TRAIN")

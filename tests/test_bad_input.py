@@ -71,6 +71,8 @@ ROWS: List[Row] = [
     R("negative-batch-size", ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4",),
       ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4", "expected an integer > 0")),
     R("zero-epochs", ("config.OPTIMIZER.num_epochs=0",), ("config.OPTIMIZER.num_epochs=0", "expected an integer > 0")),
+    R("loader-workers-absurd", ("config.DATA.NUM_DATALOADER_WORKERS=100000",),
+      ("config.DATA.NUM_DATALOADER_WORKERS=100000 is out of range", "an integer in 0..1024")),
     R("unknown-device", ("config.MACHINE.DEVICE=tpu",), ("config.MACHINE.DEVICE='tpu'", "one of cpu, gpu")),
     R("log-frequency-zero", ("config.LOG_FREQUENCY=0",), ("config.LOG_FREQUENCY=0", "expected an integer > 0")),
     R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
@@ -110,11 +112,40 @@ ROWS: List[Row] = [
     R("empty-data-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/empty]",
                             "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/empty", "contains no images"), tool=False),
+    R("empty-class-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_empty_class]",
+                             "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "1 class folder(s) of '{fx}/images_empty_class' hold no images: 'zz_empty'",
+       "remove them or put images in them")),
     R("labels-do-not-match-data", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
                                    "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                                    "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                                    "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels5.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
       ("config.DATA.TRAIN.LABEL_PATHS[0]", "{fx}/labels5.npy", "has 5 labels", "has 6 samples")),
+    R("labels-fractional", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
+                            "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                            "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_half.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("config.DATA.TRAIN.LABEL_PATHS[0]", "{fx}/labels_half.npy", "the label 0.5 at index 1", "integer class indices")),
+    R("labels-float-beyond-head", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                                   "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
+                                   "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                                   "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_float100.npy]",
+                                   "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("MODEL.HEAD.PARAMS[0] (mlp)", "outputs 10 classes", "has label 100", "at least 101 classes"), tool=False),
+    R("data-list-empty-file", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/empty.npy]",
+                               "config.DATA.TRAIN.LABEL_SOURCES=[]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/empty.npy", "is empty (0 bytes)", "a .txt list, one per line")),
+    R("data-list-not-utf8", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/latin1.txt]",
+                             "config.DATA.TRAIN.LABEL_SOURCES=[]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/latin1.txt", "caf\\udce9.png", "does not exist",
+       "not UTF-8: byte 0xe9")),
+    R("data-list-is-a-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images]",
+                                "config.DATA.TRAIN.LABEL_SOURCES=[]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/images' is a folder", "a .npy or .txt file listing image paths",
+       "disk_folder source in config.DATA.TRAIN.DATA_SOURCES")),
+    R("data-list-truncated", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                              "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_truncated.npy]", "config.DATA.TRAIN.LABEL_SOURCES=[]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/images_truncated.npy' is truncated or corrupt", "shape (6,)"),
+      tool=False),
     R("loss-needs-labels-none-given", ("config.DATA.TRAIN.LABEL_SOURCES=[]",),
       ("config.LOSS.name=cross_entropy_multiple_output_single_target", "config.DATA.TRAIN.LABEL_SOURCES is empty",
        "LABEL_TYPE=sample_index")),
@@ -200,7 +231,14 @@ def make_fixture_files(fx: Path) -> None:
             Image.fromarray(rng.randint(0, 255, (8, 8, 3), dtype=np.uint8)).save(p)
             paths.append(str(p))
     np.save(fx / "images.npy", np.array(paths))
+    shutil.copytree(fx / "images", fx / "images_empty_class")
+    (fx / "images_empty_class" / "zz_empty").mkdir()
+    (fx / "images_truncated.npy").write_bytes((fx / "images.npy").read_bytes()[:-30])
     np.save(fx / "labels5.npy", np.arange(5))
+    (fx / "empty.npy").write_bytes(b"")
+    (fx / "latin1.txt").write_bytes(b"/nowhere/caf\xe9.png\n")
+    np.save(fx / "labels_half.npy", np.array([0.0, 0.5, 1.0, 1.0, 0.0, 1.0]))
+    np.save(fx / "labels_float100.npy", np.array([0.0, 1.0, 100.0, 1.0, 0.0, 1.0]))
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")
     torch.save({"phase_idx": 0, "classy_state_dict": {"base_model": Payload(str(fx / "PWNED"))}}, fx / "payload.torch")
     (fx / "garbage.torch").write_bytes(b"not a checkpoint")
@@ -429,3 +467,20 @@ def test_more_ranks_than_gpus_is_one_line_before_any_process_starts(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "config.DISTRIBUTED.NUM_PROC_PER_NODE=2" in err[0] and "1 GPU" in err[0], err[0]
+
+
+def test_more_loader_workers_than_the_ranks_machine_can_start_is_one_line(tmp_path, capsys, monkeypatch):
+    """Within the bound checked before launch (which may run on a login node), the rank itself
+    refuses more workers than max(64, 8 x its CPUs) before starting any (2 CPUs pretended)."""
+    from ssl_engine.cli import main
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    try:
+        code = main(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.DATA.NUM_DATALOADER_WORKERS=100"])
+    finally:
+        for h in list(logging.getLogger().handlers):
+            if getattr(h, "_ssl_engine", False):
+                logging.getLogger().removeHandler(h)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "config.DATA.NUM_DATALOADER_WORKERS=100" in err[0] and "(2 CPUs)" in err[0] and "at most 64" in err[0], err[0]

@@ -3,6 +3,7 @@
 import logging
 import os
 import random
+import re
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -172,6 +173,46 @@ def test_disk_folder_missing_and_empty_folder_errors(tmp_path: Any) -> None:
         build_dataset(make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(flat)], LABEL_SOURCES=[]), "TRAIN")
 
 
+def test_disk_folder_symlink_loops_are_read_once(tmp_path: Any, caplog: Any) -> None:
+    """Symlinks are followed, but a loop back to the root or to itself, or a second path to a
+    folder, is not entered again: the scan ends at once with each image once, under its class."""
+    root = tmp_path / "imgs"
+    write_image_tree(str(root), {"a": 3, "b": 2})
+    (root / "a" / "sub").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "a" / "sub" / "deep.png")
+    os.symlink("..", root / "a" / "loop")
+    os.symlink("sub", root / "a" / "alias")
+    os.symlink(".", root / "b" / "self")
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(root)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.sources"):
+        ds = build_dataset(cfg, "TRAIN")
+    assert [os.path.relpath(p, root) for p in ds.sources[0].paths] == [
+        "a/img0.png", "a/img1.png", "a/img2.png", "a/sub/deep.png", "b/img0.png", "b/img1.png"]
+    assert ds.get_labels().tolist() == [0, 0, 0, 0, 1, 1]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "config.DATA.TRAIN.DATA_PATHS[0]: skipped 3 folder(s)" in warnings[0]
+    assert f"first {str(root / 'a' / 'alias')!r} -> {str(root / 'a' / 'sub')!r}" in warnings[0]
+
+
+def test_disk_folder_empty_class_folders_are_a_user_error(tmp_path: Any) -> None:
+    """As in torchvision's ImageFolder: an empty class folder would still take a label id."""
+    root = tmp_path / "imgs"
+    write_image_tree(str(root), {"a": 2, "b": 2})
+    (root / "zz_empty").mkdir()
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("no images here\n")
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(root)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
+    with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_PATHS\[0\]: 2 class folder\(s\) of '.*imgs' hold no "
+                                        r"images: 'notes', 'zz_empty'; each subfolder is a class, so remove them or put "
+                                        r"images in them"):
+        build_dataset(cfg, "TRAIN")
+    for i in range(7):
+        (root / f"e{i}").mkdir()
+    with pytest.raises(UserError, match=r"9 class folder\(s\) .* 'e0', 'e1', 'e2', 'e3', 'e4' and 4 more;"):
+        build_dataset(cfg, "TRAIN")
+
+
 def test_disk_filelist_npy_and_txt_with_labels(tmp_path: Any) -> None:
     root = str(tmp_path / "imgs")
     write_image_tree(root, {"a": 2, "b": 2})
@@ -195,6 +236,157 @@ def test_disk_filelist_npy_and_txt_with_labels(tmp_path: Any) -> None:
                    LABEL_PATHS=[bad], DATA_LIMIT=-1)
     with pytest.raises(UserError, match=r"LABEL_PATHS\[0\].*has 3 labels.*has 4 samples"):
         build_dataset(cfg, "TRAIN")
+
+
+def _filelist_cfg(tmp_path: Any, labels: Any = None, n: int = 4, **keys: Any) -> AttrDict:
+    """A disk_filelist config over ``n`` images (a .npy list), with LABEL_PATHS from ``labels``
+    (an array saved as .npy, or a str that is the label file's path)."""
+    root = str(tmp_path / "imgs")
+    write_image_tree(root, {"a": (n + 1) // 2, "b": n // 2})
+    paths = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs)
+    lst = str(tmp_path / "files.npy")
+    np.save(lst, np.array(paths, dtype=str))
+    split_keys: Dict[str, Any] = {"DATA_SOURCES": ["disk_filelist"], "DATA_PATHS": [lst], "LABEL_SOURCES": [],
+                                  "DATA_LIMIT": -1}
+    if labels is not None:
+        lab = labels if isinstance(labels, str) else str(tmp_path / "labels.npy")
+        if not isinstance(labels, str):
+            np.save(lab, labels)
+        split_keys.update(LABEL_SOURCES=["disk_filelist"], LABEL_PATHS=[lab])
+    split_keys.update(keys)
+    return make_cfg(**split_keys)
+
+
+def test_filelist_integer_valued_float_labels_are_int_class_indices(tmp_path: Any) -> None:
+    ds = build_dataset(_filelist_cfg(tmp_path, np.array([0.0, 3.0, 1.0, 2.0])), "TRAIN")
+    labels = ds.get_labels()
+    assert labels.dtype == np.int64 and labels.tolist() == [0, 3, 1, 2]
+    txt = tmp_path / "labels.txt"
+    txt.write_text("1.0\n2\n 0 \n3.0\n")
+    assert build_dataset(_filelist_cfg(tmp_path, str(txt)), "TRAIN").get_labels().tolist() == [1, 2, 0, 3]
+
+
+@pytest.mark.parametrize("labels, shown", [
+    ([0.0, 0.5, 1.0, 1.7], "0.5 at index 1"),
+    ([np.nan, 1.0, 1.0, 0.0], "nan at index 0"),
+    ([0.0, 1.0, np.inf, 0.0], "inf at index 2"),
+    ([0.0, 1.0, 2.0, 1e300], "1e+300 at index 3"),
+])
+def test_filelist_fractional_or_non_finite_labels_are_a_user_error(tmp_path: Any, labels: List[float], shown: str) -> None:
+    """A cast would silently make 0.5 class 0 and NaN a huge negative class."""
+    with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.LABEL_PATHS\[0\]: '.*labels\.npy' holds the label "
+                                        + re.escape(shown) + ".*integer class indices"):
+        build_dataset(_filelist_cfg(tmp_path, np.array(labels)), "TRAIN")
+
+
+def test_filelist_text_label_that_is_not_a_number_is_a_user_error(tmp_path: Any) -> None:
+    txt = tmp_path / "labels.txt"
+    txt.write_text("1\n2\ncat\n0\n")
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*labels\.txt' holds 'cat' at index 2, not a number"):
+        build_dataset(_filelist_cfg(tmp_path, str(txt)), "TRAIN")
+
+
+@pytest.mark.parametrize("name", ["list.npy", "list.txt"])
+def test_filelist_empty_file_is_a_user_error(tmp_path: Any, name: str) -> None:
+    """A 0-byte list (an interrupted copy): numpy's EOFError would be a traceback."""
+    empty = tmp_path / name
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: '.*list\.(npy|txt)' is empty \(0 bytes\); expected a "
+                                        r"\.npy array of image paths or a \.txt list, one per line"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(empty)], LABEL_SOURCES=[]), "TRAIN")
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*list\.(npy|txt)' is empty \(0 bytes\); expected a "
+                                        r"\.npy array of integer labels"):
+        build_dataset(_filelist_cfg(tmp_path, str(empty)), "TRAIN")
+
+
+def test_filelist_txt_with_non_utf8_names_reads_the_files_on_disk(tmp_path: Any) -> None:
+    """File names on Linux are bytes: a latin-1 .txt list names latin-1 files that exist."""
+    folder = os.fsencode(str(tmp_path))
+    names = [folder + b"/caf\xe9.png", folder + b"/na\xefve.png", folder + b"/plain.png"]
+    for i, name in enumerate(names):
+        with open(name, "wb") as f:
+            Image.new("RGB", (4, 4), (i * 50, 0, 0)).save(f, format="PNG")
+    txt = tmp_path / "files.txt"
+    txt.write_bytes(b"\n".join(names) + b"\n")
+    ds = build_dataset(make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(txt)], LABEL_SOURCES=[],
+                                DATA_LIMIT=-1), "TRAIN")
+    assert len(ds) == 3
+    assert [ds.sources[0].get(i).getpixel((0, 0))[0] for i in range(3)] == [0, 50, 100]
+
+
+def test_filelist_txt_not_utf8_whose_names_do_not_exist_names_the_byte(tmp_path: Any) -> None:
+    txt = tmp_path / "files.txt"
+    txt.write_bytes(b"/nowhere/caf\xe9.png\n")
+    with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: the first image listed in '.*files\.txt', "
+                                        r"'/nowhere/caf\\udce9\.png', does not exist \(the name is not UTF-8: byte "
+                                        r"0xe9 at offset 12;"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(txt)], LABEL_SOURCES=[]), "TRAIN")
+    labels = tmp_path / "labels.txt"
+    labels.write_bytes(b"0\n1\n\xe9\n1\n")
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*labels\.txt' holds '\\udce9' at index 2, not a number"):
+        build_dataset(_filelist_cfg(tmp_path, str(labels)), "TRAIN")
+
+
+def test_filelist_path_that_is_a_folder_says_so(tmp_path: Any) -> None:
+    cfg = _filelist_cfg(tmp_path, str(tmp_path / "imgs"))
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*imgs' is a folder; the disk_filelist label source "
+                                        r"expects a \.npy or \.txt file listing integer labels.*disk_folder source in "
+                                        r"config\.DATA\.TRAIN\.LABEL_SOURCES"):
+        build_dataset(cfg, "TRAIN")
+    cfg.DATA.TRAIN.DATA_PATHS = [str(tmp_path / "imgs")]
+    with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: '.*imgs' is a folder; disk_filelist expects a \.npy or "
+                                        r"\.txt file listing image paths.*config\.DATA\.TRAIN\.DATA_SOURCES"):
+        build_dataset(cfg, "TRAIN")
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_filelist_truncated_or_foreign_npy_says_what_is_wrong(tmp_path: Any, mmap: bool) -> None:
+    cfg = _filelist_cfg(tmp_path, MMAP_MODE=mmap)
+    lst = cfg.DATA.TRAIN.DATA_PATHS[0]
+    whole = open(lst, "rb").read()
+    for damage, message in [
+        (whole[: len(whole) - 40], r"is truncated or corrupt: its header says shape \(4,\) of <U\d+ \(\d+ bytes with "
+                                   r"the header\) but the file has \d+ bytes"),
+        (whole[:20], r"has a truncated or corrupt NumPy header"),
+        (b"just some text\n", r"is not a \.npy file \(no NumPy header\)"),
+        (b"\x80\x04\x95 pickled", r"holds pickled Python data, which is never loaded"),
+    ]:
+        with open(lst, "wb") as f:
+            f.write(damage)
+        with pytest.raises(UserError, match=r"DATA_PATHS\[0\]: '.*files\.npy' " + message):
+            build_dataset(cfg, "TRAIN")
+    np.save(lst, np.array([object(), 1], dtype=object), allow_pickle=True)
+    with pytest.raises(UserError, match=r"holds Python objects, which load only with pickle"):
+        build_dataset(cfg, "TRAIN")
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_filelist_of_bytes_names_the_files(tmp_path: Any, mmap: bool) -> None:
+    """np.array([p.encode() ...]) (dtype 'S') holds names as bytes: they are decoded, not shown as "b'/path'"."""
+    cfg = _filelist_cfg(tmp_path, MMAP_MODE=mmap)
+    lst = cfg.DATA.TRAIN.DATA_PATHS[0]
+    paths = [str(p) for p in np.load(lst)]
+    np.save(lst, np.array([os.fsencode(p) for p in paths]))
+    ds = build_dataset(cfg, "TRAIN")
+    assert [ds.sources[0].path(i) for i in range(len(ds))] == paths
+    assert ds.sources[0].get(3).size == (8, 8)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_loader_refuses_more_workers_than_its_machine_can_start(monkeypatch: Any) -> None:
+    """100000 workers would hang starting them: the rank that builds the loader refuses more than
+    max(64, 8 x its CPUs); the check before launch (check_cpus=False) leaves that to the rank."""
+    ds = build_dataset(make_cfg(DATA_LIMIT=8), "TRAIN")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(UserError, match=r"^config\.DATA\.NUM_DATALOADER_WORKERS=65 is more loader workers per rank "
+                                        r"than this machine \(2 CPUs\) can start: at most 64"):
+        build_dataloader(ds, make_cfg(workers=65), "TRAIN", rank=0, world_size=1, device="cpu")
+    build_dataloader(ds, make_cfg(workers=65), "TRAIN", rank=0, world_size=1, device="cpu", check_cpus=False)
+    build_dataloader(ds, make_cfg(workers=64), "TRAIN", rank=0, world_size=1, device="cpu")
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    build_dataloader(ds, make_cfg(workers=256), "TRAIN", rank=0, world_size=1, device="cpu")
+    with pytest.raises(UserError, match=r"=257 .*\(32 CPUs\) can start: at most 256"):
+        build_dataloader(ds, make_cfg(workers=257), "TRAIN", rank=0, world_size=1, device="cpu")
 
 
 def test_config_errors_for_sources() -> None:

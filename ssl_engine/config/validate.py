@@ -277,7 +277,9 @@ _RANGES = [
     ("OPTIMIZER.num_epochs", lambda v: v > 0, "an integer > 0"),
     ("DATA.TRAIN.BATCHSIZE_PER_REPLICA", lambda v: v > 0, "an integer > 0"),
     ("DATA.TEST.BATCHSIZE_PER_REPLICA", lambda v: v > 0, "an integer > 0"),
-    ("DATA.NUM_DATALOADER_WORKERS", lambda v: v >= 0, "an integer >= 0"),
+    # an absolute bound only: this may run on a login node, not where the ranks run (they check
+    # against their machine's CPUs, ssl_engine.data.loader.check_num_workers)
+    ("DATA.NUM_DATALOADER_WORKERS", lambda v: 0 <= v <= 1024, "an integer in 0..1024"),
     ("MACHINE.DEVICE", lambda v: v in ("cpu", "gpu"), "one of cpu, gpu"),
     ("DISTRIBUTED.NUM_NODES", lambda v: v >= 1, "an integer >= 1"),
     ("DISTRIBUTED.NUM_PROC_PER_NODE", lambda v: v >= 1, "an integer >= 1"),
@@ -714,7 +716,8 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
         if dataset is not None:
             datasets[split] = dataset
             loaders[split] = _checked(
-                f"the {split} loader", build_dataloader, dataset, build_cfg, split, 0, world_size, "cpu"
+                f"the {split} loader", build_dataloader, dataset, build_cfg, split, 0, world_size, "cpu",
+                check_cpus=False,  # the ranks may run on other machines (SLURM); they check their own CPUs
             )
     with torch.device("meta"):
         model = _checked("the model", build_model, build_cfg.MODEL, build_cfg.OPTIMIZER)

@@ -100,6 +100,27 @@ def stop_workers(iterator: Any) -> None:
             worker.join(timeout=5)
 
 
+def max_loader_workers(cpus: int) -> int:
+    """The most loader workers a rank may start on a machine with ``cpus`` CPUs: max(64, 8 x cpus).
+
+    Generous (I/O-bound decoding can use a few workers per CPU), yet far below counts that
+    take minutes to start or exhaust the process table and memory, which look like a hang.
+    """
+    return max(64, 8 * cpus)
+
+
+def check_num_workers(num_workers: int, cpus: Optional[int] = None) -> None:
+    """A UserError when ``config.DATA.NUM_DATALOADER_WORKERS`` is more than this machine
+    (``cpus`` CPUs, default ``os.cpu_count()``) can start; checked where the rank runs."""
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    limit = max_loader_workers(cpus)
+    if num_workers > limit:
+        raise UserError(
+            f"config.DATA.NUM_DATALOADER_WORKERS={num_workers} is more loader workers per rank than this machine "
+            f"({cpus} CPUs) can start: at most {limit} (max(64, 8 x CPUs)); about the CPUs per rank is usual"
+        )
+
+
 def build_dataloader(
     dataset: Any,
     cfg: Any,
@@ -109,6 +130,7 @@ def build_dataloader(
     device: str,
     pad: bool = True,
     shuffle: Optional[bool] = None,
+    check_cpus: bool = True,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` for ``split`` on ``rank`` of ``world_size`` processes.
 
@@ -118,7 +140,9 @@ def build_dataloader(
     ``MULTI_PROCESSING_METHOD`` (workers' start method), ``SEED_VALUE``.
     Only TRAIN is shuffled unless ``shuffle`` says otherwise. ``pad=False`` gives the ranks
     uneven shares with every sample exactly once (see StatefulDistributedSampler); feature
-    extraction uses it together with ``shuffle=False``.
+    extraction uses it together with ``shuffle=False``. ``check_cpus=False`` leaves out the
+    worker count's bound from this machine's CPUs (see ``check_num_workers``), for the check
+    before launch, which may run on another machine than the ranks (a SLURM login node).
     """
     data = cfg.get("DATA", {}) or {}
     scfg = data.get(split, {}) or {}
@@ -155,6 +179,8 @@ def build_dataloader(
     num_workers = int(data.get("NUM_DATALOADER_WORKERS", 0))
     if num_workers < 0:
         raise UserError(f"config.DATA.NUM_DATALOADER_WORKERS must be >= 0, got {num_workers}")
+    if check_cpus:
+        check_num_workers(num_workers)
     pin = bool(data.get("PIN_MEMORY", True)) and str(device).lower() in ("gpu", "cuda") and torch.cuda.is_available()
     generator = torch.Generator()
     generator.manual_seed((seed * 1_000_003 + rank) % (1 << 63))

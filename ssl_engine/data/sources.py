@@ -19,15 +19,19 @@ Sources are deterministic: ``get(idx)`` is the same image in every process, so t
 order and augmentation depend only on (seed, epoch, sample index) (DESIGN rule 8).
 """
 
+import codecs
 import functools
+import logging
 import os
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Sequence, Set, Tuple
 
 import numpy as np
 from PIL import Image
 
 from ssl_engine.errors import UserError
 from ssl_engine.registry import DATA_SOURCES
+
+logger = logging.getLogger(__name__)
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -205,24 +209,66 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
 
 
+def _folder_id(path: str) -> Tuple[int, int]:
+    """The identity of the real folder ``path`` leads to, through any symlinks: (st_dev, st_ino)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _walk_images(top: str, seen: Set[Tuple[int, int]], skipped: List[str]) -> List[Tuple[str, List[str]]]:
+    """(folder, sorted image names) of ``top`` and every folder below it, ordered by path.
+
+    Symlinks are followed (as ImageFolder does), but each real folder is entered once: a
+    subfolder whose identity is in ``seen`` (a symlink loop such as ``a/loop -> ..``, or a
+    second path to folders already scanned) is not entered and is appended to ``skipped``.
+    Without this a loop makes the scan repeat the tree up to the kernel's 40-symlink limit,
+    and two loops make it exponential.
+    """
+    found: List[Tuple[str, List[str]]] = []
+    for root, dirs, files in os.walk(top, followlinks=True):
+        entered = set()
+        # real subfolders claim their identity before symlinks to them, so a folder is read by its own path
+        for d in sorted(dirs, key=lambda d: (os.path.islink(os.path.join(root, d)), d)):
+            full = os.path.join(root, d)
+            try:
+                ident = _folder_id(full)
+            except OSError:
+                continue  # unreadable: os.walk would not list anything from it either
+            if ident in seen:
+                skipped.append(full)
+                continue
+            seen.add(ident)
+            entered.add(d)
+        dirs[:] = sorted(entered)
+        found.append((root, sorted(n for n in files if _is_image(n))))
+    return sorted(found, key=lambda entry: entry[0])
+
+
 def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) -> Tuple[List[str], np.ndarray, List[str]]:
     """(image paths, labels, class names) of a class-per-subfolder tree, in sorted order.
 
     Like torchvision's ImageFolder: class names are the sorted subfolder names and their label
-    ids are their positions; images are found recursively, in sorted order.
+    ids are their positions; images are found recursively, in sorted order, following symlinks.
+    Each real folder is read once, under its own class: a symlink back to the root, to a class
+    folder or to a folder already scanned is skipped, with one warning naming the first.
     """
     _check_dir(path, split, source_index)
     key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
     classes = sorted(e.name for e in os.scandir(path) if e.is_dir())
+    seen = {_folder_id(path)} | {_folder_id(os.path.join(path, cls)) for cls in classes}
+    skipped: List[str] = []
     paths: List[str] = []
     labels: List[int] = []
     for label, cls in enumerate(classes):
-        for root, dirs, files in sorted(os.walk(os.path.join(path, cls), followlinks=True)):
-            dirs.sort()
-            for name in sorted(files):
-                if _is_image(name):
-                    paths.append(os.path.join(root, name))
-                    labels.append(label)
+        for root, names in _walk_images(os.path.join(path, cls), seen, skipped):
+            paths.extend(os.path.join(root, name) for name in names)
+            labels.extend([label] * len(names))
+    if skipped:
+        logger.warning(
+            "%s: skipped %d folder(s) that lead to a folder already scanned (a symlink loop, or a second path to "
+            "the same images), first %r -> %r; each folder is read once, under the class that reaches it first",
+            key, len(skipped), skipped[0], os.path.realpath(skipped[0]),
+        )
     if not paths:
         loose = [n for n in os.listdir(path) if _is_image(n)]
         hint = (
@@ -232,7 +278,24 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
             else f"; expected <folder>/<class>/<image> with extensions {', '.join(IMG_EXTENSIONS)}"
         )
         raise UserError(f"{key}: folder {path!r} contains no images{hint}")
-    return paths, np.asarray(labels, dtype=np.int64), classes
+    label_array = np.asarray(labels, dtype=np.int64)
+    _check_no_empty_class(classes, label_array, path, key)
+    return paths, label_array, classes
+
+
+def _check_no_empty_class(classes: List[str], labels: np.ndarray, path: str, key: str) -> None:
+    """Every class subfolder holds an image, as torchvision's ImageFolder (which VISSL used) requires:
+    an empty one would still take a label id, a class no sample has, which silently shifts what a
+    head's outputs mean against another split's or another run's folders."""
+    counts = np.bincount(labels, minlength=len(classes))
+    empty = [cls for cls, count in zip(classes, counts) if count == 0]
+    if not empty:
+        return
+    shown = ", ".join(repr(c) for c in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    raise UserError(
+        f"{key}: {len(empty)} class folder(s) of {path!r} hold no images: {shown}; each subfolder is a class, so "
+        f"remove them or put images in them (extensions {', '.join(IMG_EXTENSIONS)})"
+    )
 
 
 @DATA_SOURCES.register("disk_folder")
@@ -256,24 +319,103 @@ class DiskFolderSource:
         return open_rgb(self.paths[idx])
 
 
-def load_list_file(path: str, what: str, key: str, mmap: bool = False) -> np.ndarray:
-    """Load a .npy array or a .txt list (one entry per line) named by config ``key``."""
+def load_list_file(path: str, what: str, key: str, mmap: bool = False, entries: str = "entries") -> np.ndarray:
+    """Load a .npy array or a .txt list (one entry per line) named by config ``key``.
+
+    ``what`` names the reader and ``entries`` what the file lists, for the messages.
+    """
     if not path:
         raise UserError(f"{key} is missing: {what} needs a .npy or .txt file")
+    if os.path.isdir(path):
+        sources_key = key.split("[")[0].replace("_PATHS", "_SOURCES")
+        raise UserError(
+            f"{key}: {path!r} is a folder; {what} expects a .npy or .txt file listing {entries}, one per image "
+            f"(for a folder with one subfolder per class, use the disk_folder source in {sources_key})"
+        )
     if not os.path.isfile(path):
         raise UserError(f"{key}: file {path!r} does not exist")
+    if os.path.getsize(path) == 0:
+        raise UserError(
+            f"{key}: {path!r} is empty (0 bytes); expected a .npy array of {entries} or a .txt list, one per line"
+        )
     if path.endswith(".npy"):
-        try:
-            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except ValueError as exc:
-            raise UserError(
-                f"{key}: cannot load {path!r} without pickle ({exc}); save it as a plain array, "
-                f"e.g. np.save(path, np.array(entries, dtype=str))"
-            ) from exc
+        return _load_npy(path, key, mmap)
     if path.endswith(".txt"):
-        with open(path, "r", encoding="utf-8") as f:
-            return np.asarray([line.strip() for line in f if line.strip()])
+        return read_text_list(path)
     raise UserError(f"{key}: {path!r} must be a .npy or .txt file")
+
+
+_SAVE_PLAIN = "save it as a plain array, e.g. np.save(path, np.array(entries, dtype=str))"
+
+
+def _load_npy(path: str, key: str, mmap: bool) -> np.ndarray:
+    """``np.load`` of a list file without pickle; a UserError saying what is wrong with the file."""
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
+        problem = npy_problem(path) or f"cannot be loaded without pickle ({exc}); {_SAVE_PLAIN}"
+        raise UserError(f"{key}: {path!r} {problem}") from exc
+
+
+def npy_problem(path: str) -> str:
+    """Why ``path`` cannot be loaded as a plain .npy array, compared against its own header:
+    not a .npy file, a corrupt header, Python objects (pickle), or fewer data bytes than the
+    header's shape x itemsize (truncated). '' when the file looks whole."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        start = f.read(6)
+        if start[:1] == b"\x80":
+            return f"holds pickled Python data, which is never loaded (it could run code); {_SAVE_PLAIN}"
+        if start != b"\x93NUMPY":
+            return "is not a .npy file (no NumPy header); write it with np.save, or use a .txt list, one per line"
+        f.seek(0)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version[0] == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+        except (ValueError, EOFError, OSError) as exc:
+            return f"has a truncated or corrupt NumPy header ({exc}); write it again with np.save"
+        offset = f.tell()
+    if dtype.hasobject:
+        return f"holds Python objects, which load only with pickle (never done here: it could run code); {_SAVE_PLAIN}"
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size < expected:
+        return (
+            f"is truncated or corrupt: its header says shape {tuple(shape)} of {dtype.str} "
+            f"({expected} bytes with the header) but the file has {size} bytes; write it again with np.save"
+        )
+    return ""
+
+
+def read_text_list(path: str) -> np.ndarray:
+    """The non-blank lines of a .txt list, stripped, as a str array.
+
+    Lines are decoded as the OS decodes file names (``os.fsdecode``: UTF-8, and a byte that is
+    not UTF-8 kept as a surrogate escape), since file names on Linux are bytes: a list of
+    non-UTF-8 names (latin-1 from an old machine) still names the files on disk, because
+    ``open`` encodes such a str back to the same bytes. A UTF-8 byte-order mark is dropped.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    lines = (os.fsdecode(line).strip() for line in data.splitlines())
+    return np.asarray([line for line in lines if line])
+
+
+def _not_utf8_hint(path: str) -> str:
+    """For a listed path that was not UTF-8 in its list: a hint naming the first such byte, else ''."""
+    try:
+        raw = os.fsencode(path)
+        raw.decode("utf-8")
+    except UnicodeEncodeError:
+        return ""  # not a name the OS could have given: nothing to say about its bytes
+    except UnicodeDecodeError as exc:
+        return (
+            f" (the name is not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}; if the names on disk "
+            f"are UTF-8, save the list as UTF-8)"
+        )
+    return ""
 
 
 @DATA_SOURCES.register("disk_filelist")
@@ -290,7 +432,9 @@ class DiskFilelistSource:
         scfg = split_cfg(cfg, split)
         key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
         self.list_path = path
-        self._paths = load_list_file(path, "disk_filelist", key, mmap=bool(scfg.get("MMAP_MODE", True)))
+        self._paths = load_list_file(
+            path, "disk_filelist", key, mmap=bool(scfg.get("MMAP_MODE", True)), entries="image paths"
+        )
         if self._paths.ndim != 1:
             raise UserError(f"{key}: {path!r} must hold a 1-D list of image paths, got shape {self._paths.shape}")
         if len(self._paths) == 0:
@@ -300,7 +444,8 @@ class DiskFilelistSource:
         first = self.path(0)
         if not os.path.exists(first):
             raise UserError(
-                f"{key}: the first image listed in {path!r}, {first!r}, does not exist; fix the list or "
+                f"{key}: the first image listed in {path!r}, {first!r}, does not exist{_not_utf8_hint(first)}; "
+                f"fix the list or "
                 f"rewrite prefixes with {data_key(split, 'REMOVE_IMG_PATH_PREFIX')} / "
                 f"{data_key(split, 'NEW_IMG_PATH_PREFIX')}"
             )
@@ -309,7 +454,9 @@ class DiskFilelistSource:
         return len(self._paths)
 
     def path(self, idx: int) -> str:
-        p = str(self._paths[idx])
+        p = self._paths[idx]
+        # a list of bytes (np.array([p.encode() ...]), dtype 'S') holds file names as the OS stores them
+        p = os.fsdecode(p) if isinstance(p, bytes) else str(p)
         if self.remove_prefix and p.startswith(self.remove_prefix):
             p = p[len(self.remove_prefix):]
             p = self.new_prefix + p
@@ -327,13 +474,50 @@ class DiskFilelistSource:
 def load_filelist_labels(path: str, split: str, label_index: int) -> np.ndarray:
     """Integer labels from ``LABEL_PATHS[label_index]`` (.npy or .txt, one label per image)."""
     key = f"{data_key(split, 'LABEL_PATHS')}[{label_index}]"
-    arr = np.asarray(load_list_file(path, "the disk_filelist label source", key, mmap=False))
+    arr = np.asarray(load_list_file(path, "the disk_filelist label source", key, entries="integer labels"))
     if arr.ndim != 1:
         raise UserError(f"{key}: {path!r} must hold a 1-D array of integer labels, got shape {arr.shape}")
-    try:
+    return integer_labels(arr, key, path)
+
+
+_VALID_LABELS = "labels must be integer class indices (0, 1, 2, ...; integer-valued floats such as 1.0 are read as ints)"
+
+
+def integer_labels(arr: np.ndarray, key: str, path: str) -> np.ndarray:
+    """The 1-D label array ``arr`` of file ``path`` (config ``key``) as int64 class indices.
+
+    Integer-valued floats (1.0: labels kept in a float array) become ints, so the label-range
+    check before launch applies to them. A fractional, NaN or infinite label is a UserError
+    naming the first one: a cast would silently truncate 0.5 to class 0 and turn NaN into a
+    huge negative class. Text labels (.txt) may be written either way.
+    """
+    kind = arr.dtype.kind
+    if kind in "iub":
         return arr.astype(np.int64)
-    except ValueError as exc:
-        raise UserError(f"{key}: {path!r} must hold integer labels ({exc})") from exc
+    if kind in "US":
+        try:
+            return arr.astype(np.int64)
+        except (ValueError, OverflowError):
+            arr, kind = _text_to_floats(arr, key, path), "f"
+    if kind != "f":
+        raise UserError(f"{key}: {path!r} holds {arr.dtype} values; {_VALID_LABELS}")
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(arr) & (np.abs(arr) < 2.0**53) & (arr == np.round(arr))
+    if not ok.all():
+        i = int(np.argmin(ok))
+        raise UserError(f"{key}: {path!r} holds the label {float(arr[i])!r} at index {i}; {_VALID_LABELS}")
+    return arr.astype(np.int64)
+
+
+def _text_to_floats(arr: np.ndarray, key: str, path: str) -> np.ndarray:
+    """Text labels as float64; a UserError naming the first entry that is not a number."""
+    out = np.empty(len(arr), dtype=np.float64)
+    for i, text in enumerate(arr.tolist()):
+        try:
+            out[i] = float(text)
+        except ValueError:
+            raise UserError(f"{key}: {path!r} holds {text!r} at index {i}, not a number; {_VALID_LABELS}") from None
+    return out
 
 
 def normalize_paths(paths: Any, split: str, key: str) -> List[str]:

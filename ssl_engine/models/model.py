@@ -404,9 +404,9 @@ def convert_sync_batchnorm(
         return model
     bn_type = str(cfg.get("SYNC_BN_TYPE", "pytorch")).lower()
     if bn_type not in ("pytorch", "apex"):
-        raise UserError(f"MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE={bn_type!r} is not supported; valid: pytorch, apex")
+        raise UserError(f"config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE={bn_type!r} is not supported; valid: pytorch, apex")
     if bn_type == "apex":
-        logger.warning("MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=apex runs as torch.nn.SyncBatchNorm (apex is not used)")
+        logger.warning("config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=apex runs as torch.nn.SyncBatchNorm (apex is not used)")
     group_size = cfg.get("GROUP_SIZE", -1)
     try:
         group_size = int(group_size)

@@ -10,6 +10,20 @@ from ssl_engine.tasks import build_task
 log = logging.getLogger(__name__)
 
 
+def model_only(task: Any) -> Dict[str, Any]:
+    """``prepare``'s keyword for a model-only task, where the task's ``prepare`` takes it: a user
+    task (TRAINER.TASK_NAME) that overrides ``prepare(self, local_rank=0)`` builds as it always
+    did (its loaders and optimizer too)."""
+    import inspect
+
+    try:
+        params = inspect.signature(task.prepare).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes = "data" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {"data": False} if takes else {}
+
+
 class SelfSupervisionTrainer:
     """Builds the task, resumes it if a checkpoint is given, and steps through its phases."""
 
@@ -97,7 +111,7 @@ class SelfSupervisionTrainer:
         task.checkpoint_folder = self.checkpoint_folder
         with torch.random.fork_rng(devices=[]):  # the same random init on every rank
             torch.manual_seed(self.cfg.SEED_VALUE)
-            task.prepare(local_rank=self.local_rank, data=False)  # extraction builds its own loaders
+            task.prepare(local_rank=self.local_rank, **model_only(task))  # extraction builds its own loaders
         source = load_weights(task, self.checkpoint_path)
         task.base_model.eval()
         folder = output_dir(self.cfg)

@@ -115,7 +115,7 @@ ROWS: List[Row] = [
     R("empty-class-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_empty_class]",
                              "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "1 class folder(s) of '{fx}/images_empty_class' hold no images: 'zz_empty'",
-       "remove them or put images in them")),
+       "put images in them", "removing one renumbers the classes after it")),
     R("labels-do-not-match-data", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
                                    "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                                    "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
@@ -381,6 +381,11 @@ def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp
     for text in ("config.DATA.TRAIN: 33 samples per rank in batches of 16 leave a last batch of 1",
                  "BatchNorm", "config.DATA.TRAIN.DROP_LAST=true"):
         assert text in err, err
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'one'}", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1",
+                            "config.DATA.TRAIN.DATA_LIMIT=4", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,16,10],use_bn:true}]]"])
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
+    assert "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1 gives batches of one sample" in err and "DROP_LAST" not in err, err
 
 
 def test_debug_shows_the_traceback(folders, tmp_path):

@@ -176,13 +176,21 @@ def test_config_abs_path_and_missing_names(tmp_path):
     ("", "is empty"),
     ("# @package _global_\n# nothing yet\n", "is empty"),
     ("# @package _global_\nconfig:\n", "its 'config:' section is empty"),
-    ("# @package _global_\nengine_name: train\n", "has no 'config:' section"),
+    ("# @package _global_\nhydra:\n  job:\n    name: x\n", "has no 'config:' section"),
 ])
 def test_an_experiment_file_without_options_is_named(tmp_path, body, expected):
     path = tmp_path / "empty.yaml"
     path.write_text(body)
     with pytest.raises(ConfigError, match=rf"^config file {path}:? {expected}"):
         compose([f"config={path}"])
+
+
+def test_an_experiment_file_that_only_picks_the_engine_composes(tmp_path):
+    """The options may all come from the command line: a file with engine_name alone is valid."""
+    path = tmp_path / "engine_only.yaml"
+    path.write_text("# @package _global_\nengine_name: extract_features\n")
+    cfg = compose([f"config={path}", "config.DATA.TEST.DATA_SOURCES=[synthetic]"])
+    assert cfg.engine_name == "extract_features" and cfg.DATA.TEST.DATA_SOURCES == ["synthetic"]
 
 
 def test_the_tool_names_an_empty_experiment_file(tmp_path):

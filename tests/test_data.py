@@ -173,26 +173,32 @@ def test_disk_folder_missing_and_empty_folder_errors(tmp_path: Any) -> None:
         build_dataset(make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(flat)], LABEL_SOURCES=[]), "TRAIN")
 
 
-def test_disk_folder_symlink_loops_are_read_once(tmp_path: Any, caplog: Any) -> None:
-    """Symlinks are followed, but a loop back to the root or to itself, or a second path to a
-    folder, is not entered again: the scan ends at once with each image once, under its class."""
+def test_disk_folder_symlink_loops_are_skipped_and_other_links_followed(tmp_path: Any, caplog: Any) -> None:
+    """Symlinks are followed as ImageFolder follows them (a link to another folder lists its images
+    there too, under the class that holds the link), but a link back to a folder on its own path
+    (the root, or itself) is a loop: skipped with one warning, so the scan ends at once."""
     root = tmp_path / "imgs"
     write_image_tree(str(root), {"a": 3, "b": 2})
     (root / "a" / "sub").mkdir()
     Image.new("RGB", (8, 8)).save(root / "a" / "sub" / "deep.png")
+    (root / "b" / "sub").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "b" / "sub" / "only.png")
     os.symlink("..", root / "a" / "loop")
     os.symlink("sub", root / "a" / "alias")
+    os.symlink("../b/sub", root / "a" / "cross")  # into another class, scanned later under its own path too
     os.symlink(".", root / "b" / "self")
+    os.symlink(str(root), root / "b" / "up")
     cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(root)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
     with caplog.at_level(logging.WARNING, logger="ssl_engine.data.sources"):
         ds = build_dataset(cfg, "TRAIN")
     assert [os.path.relpath(p, root) for p in ds.sources[0].paths] == [
-        "a/img0.png", "a/img1.png", "a/img2.png", "a/sub/deep.png", "b/img0.png", "b/img1.png"]
-    assert ds.get_labels().tolist() == [0, 0, 0, 0, 1, 1]
+        "a/img0.png", "a/img1.png", "a/img2.png", "a/alias/deep.png", "a/cross/only.png", "a/sub/deep.png",
+        "b/img0.png", "b/img1.png", "b/sub/only.png"]
+    assert ds.get_labels().tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert "config.DATA.TRAIN.DATA_PATHS[0]: skipped 3 folder(s)" in warnings[0]
-    assert f"first {str(root / 'a' / 'alias')!r} -> {str(root / 'a' / 'sub')!r}" in warnings[0]
+    assert "config.DATA.TRAIN.DATA_PATHS[0]: skipped 3 symlink(s)" in warnings[0]
+    assert f"first {str(root / 'a' / 'loop')!r} -> {str(root)!r}" in warnings[0]
 
 
 def test_disk_folder_empty_class_folders_are_a_user_error(tmp_path: Any) -> None:

@@ -327,3 +327,22 @@ def test_registry_lists_known_names_on_unknown():
         reg.get("rond")
     with pytest.raises(ValueError):
         reg.register("round")(square)
+
+
+def test_extraction_asks_a_model_only_prepare_only_of_tasks_that_take_it():
+    """A user task whose prepare(self, local_rank=0) predates the data keyword still builds
+    (as it always did) instead of failing with a TypeError."""
+    from ssl_engine.tasks.self_supervision_task import SelfSupervisionTask
+    from ssl_engine.trainer import model_only
+
+    class OldUserTask(SelfSupervisionTask):
+        def prepare(self, local_rank=0):  # noqa: D102
+            return super().prepare(local_rank)
+
+    class ForwardingUserTask(SelfSupervisionTask):
+        def prepare(self, local_rank=0, **kwargs):  # noqa: D102
+            return super().prepare(local_rank, **kwargs)
+
+    assert model_only(OldUserTask.__new__(OldUserTask)) == {}
+    assert model_only(ForwardingUserTask.__new__(ForwardingUserTask)) == {"data": False}
+    assert model_only(SelfSupervisionTask.__new__(SelfSupervisionTask)) == {"data": False}

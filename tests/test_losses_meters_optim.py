@@ -446,6 +446,13 @@ def test_auto_lr_scaling_linear_and_sqrt():
     assert [c["name"] for c in kept["schedulers"]] == ["cosine", "constant"]
     assert kept["lengths"] == pytest.approx([2 / 3, 1 / 3]) and kept["interval_scaling"] == ["fixed", "fixed"]
     assert build_param_scheduler(kept, 10)(0.0) == pytest.approx(0.6)
+    # a falling linear child is a decay, not a warm-up: it keeps its scaled values on any number of nodes
+    tail = dict(composite, lengths=[0.9, 0.1], interval_scaling=["rescaled", "rescaled"],
+                schedulers=[{"name": "cosine", "start_value": 0.3, "end_value": 0.003},
+                            {"name": "linear", "start_value": 0.003, "end_value": 0.0}])
+    for nodes in (1, 4):
+        children = scale_lr_schedule(tail, 512, num_nodes=nodes)["schedulers"]
+        assert (children[1]["start_value"], children[1]["end_value"]) == pytest.approx((0.006, 0.0)), nodes
 
     # VISSL semantics: base_value is the reference lr; the schedule's peak becomes scaled_lr
     const = lr_cfg(name="constant", value=5.0, auto_lr_scaling=dict(auto, base_value=0.1))

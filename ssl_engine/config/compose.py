@@ -229,9 +229,10 @@ _TOP_LEVEL = ("engine_name", "config", "defaults", "hydra")
 def _check_yaml_file(path: Path, experiment: bool = False) -> None:
     """An experiment file must be well-formed yaml holding a mapping, with options under 'config:'.
 
-    The file ``config=`` names (``experiment``) must also hold options, its own or its
-    ``defaults:`` list's: an empty one would run the bare defaults and fail later on a key
-    the file was meant to set, naming neither the file nor the cause.
+    The file ``config=`` names (``experiment``) must also hold something: options, a
+    ``defaults:`` list or an ``engine_name`` (a file that only picks the engine, the options
+    coming from the command line, is fine). An empty one would run the bare defaults and fail
+    later on a key the file was meant to set, naming neither the file nor the cause.
     """
     data = read_yaml_file(path)
     if data is None:
@@ -254,9 +255,9 @@ def _check_yaml_file(path: Path, experiment: bool = False) -> None:
     if "config" in data and data["config"] is None:
         raise ConfigError(f"config file {path}: its 'config:' section is empty; put the options under it "
                           f"(indented), or remove the line")
-    if experiment and "config" not in data and "defaults" not in data:
+    if experiment and not {"config", "defaults", "engine_name"} & set(data):
         raise ConfigError(f"config file {path} has no 'config:' section: an experiment file puts its options "
-                          f"under 'config:' (or names files to compose in 'defaults:')")
+                          f"under 'config:' (or names files to compose in 'defaults:', or sets engine_name)")
     if data.get("config") is not None and not isinstance(data["config"], dict):
         raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
     if isinstance(data.get("config"), dict):

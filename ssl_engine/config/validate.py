@@ -741,4 +741,5 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
         from ssl_engine.optim import build_optimizer
 
         global_bs = build_cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * world_size
-        _checked("the optimizer", build_optimizer, build_cfg.OPTIMIZER, model, global_bs, len(loaders["TRAIN"]))
+        _checked("the optimizer", build_optimizer, build_cfg.OPTIMIZER, model, global_bs, len(loaders["TRAIN"]),
+                 max(1, int(build_cfg.DISTRIBUTED.NUM_NODES)))

@@ -23,7 +23,7 @@ import codecs
 import functools
 import logging
 import os
-from typing import Any, List, Sequence, Set, Tuple
+from typing import Any, FrozenSet, List, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
@@ -215,31 +215,32 @@ def _folder_id(path: str) -> Tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _walk_images(top: str, seen: Set[Tuple[int, int]], skipped: List[str]) -> List[Tuple[str, List[str]]]:
+def _walk_images(top: str, chain: FrozenSet[Tuple[int, int]], skipped: List[str]) -> List[Tuple[str, List[str]]]:
     """(folder, sorted image names) of ``top`` and every folder below it, ordered by path.
 
-    Symlinks are followed (as ImageFolder does), but each real folder is entered once: a
-    subfolder whose identity is in ``seen`` (a symlink loop such as ``a/loop -> ..``, or a
-    second path to folders already scanned) is not entered and is appended to ``skipped``.
-    Without this a loop makes the scan repeat the tree up to the kernel's 40-symlink limit,
-    and two loops make it exponential.
+    Symlinks are followed, as torchvision's ImageFolder follows them (a link to another folder
+    of the tree lists its images there too), except a link back to a folder on its own path
+    (``a/loop -> ..``, ``b/self -> .``): that is a loop, which would repeat the tree up to the
+    kernel's 40-symlink limit (exponentially with two loops). Such a link is not entered and is
+    appended to ``skipped``. ``chain`` holds the identities of the folders above ``top``.
     """
     found: List[Tuple[str, List[str]]] = []
+    chains = {top: chain | {_folder_id(top)}}
     for root, dirs, files in os.walk(top, followlinks=True):
-        entered = set()
-        # real subfolders claim their identity before symlinks to them, so a folder is read by its own path
-        for d in sorted(dirs, key=lambda d: (os.path.islink(os.path.join(root, d)), d)):
+        above = chains.pop(root)
+        entered = []
+        for d in sorted(dirs):
             full = os.path.join(root, d)
             try:
                 ident = _folder_id(full)
             except OSError:
-                continue  # unreadable: os.walk would not list anything from it either
-            if ident in seen:
+                continue  # unreadable or a dangling link: os.walk would list nothing from it either
+            if ident in above:
                 skipped.append(full)
                 continue
-            seen.add(ident)
-            entered.add(d)
-        dirs[:] = sorted(entered)
+            chains[full] = above | {ident}
+            entered.append(d)
+        dirs[:] = entered
         found.append((root, sorted(n for n in files if _is_image(n))))
     return sorted(found, key=lambda entry: entry[0])
 
@@ -249,24 +250,23 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
 
     Like torchvision's ImageFolder: class names are the sorted subfolder names and their label
     ids are their positions; images are found recursively, in sorted order, following symlinks.
-    Each real folder is read once, under its own class: a symlink back to the root, to a class
-    folder or to a folder already scanned is skipped, with one warning naming the first.
+    A symlink loop (a link back to a folder on its own path, the root included) is skipped,
+    with one warning naming the first.
     """
     _check_dir(path, split, source_index)
     key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
     classes = sorted(e.name for e in os.scandir(path) if e.is_dir())
-    seen = {_folder_id(path)} | {_folder_id(os.path.join(path, cls)) for cls in classes}
+    root_chain = frozenset([_folder_id(path)])
     skipped: List[str] = []
     paths: List[str] = []
     labels: List[int] = []
     for label, cls in enumerate(classes):
-        for root, names in _walk_images(os.path.join(path, cls), seen, skipped):
+        for root, names in _walk_images(os.path.join(path, cls), root_chain, skipped):
             paths.extend(os.path.join(root, name) for name in names)
             labels.extend([label] * len(names))
     if skipped:
         logger.warning(
-            "%s: skipped %d folder(s) that lead to a folder already scanned (a symlink loop, or a second path to "
-            "the same images), first %r -> %r; each folder is read once, under the class that reaches it first",
+            "%s: skipped %d symlink(s) that lead back to a folder on their own path (a loop), first %r -> %r",
             key, len(skipped), skipped[0], os.path.realpath(skipped[0]),
         )
     if not paths:
@@ -293,8 +293,9 @@ def _check_no_empty_class(classes: List[str], labels: np.ndarray, path: str, key
         return
     shown = ", ".join(repr(c) for c in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
     raise UserError(
-        f"{key}: {len(empty)} class folder(s) of {path!r} hold no images: {shown}; each subfolder is a class, so "
-        f"remove them or put images in them (extensions {', '.join(IMG_EXTENSIONS)})"
+        f"{key}: {len(empty)} class folder(s) of {path!r} hold no images: {shown}; each subfolder is a class: put "
+        f"images in them (extensions {', '.join(IMG_EXTENSIONS)}), or remove them from the folders of every split "
+        f"alike (removing one renumbers the classes after it)"
     )
 
 

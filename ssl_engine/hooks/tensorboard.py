@@ -45,7 +45,10 @@ class TensorboardWriter(Writer):
     def rewind(self, logged_before: Any, iteration: int = 0) -> None:
         """A resumed run (or a rerun in a folder with events): the events a killed run wrote
         past the checkpoint's iteration are hidden (SummaryWriter's purge_step), so the redone
-        iterations show once instead of twice."""
+        train iterations show once instead of twice. Test-phase events carry the step of the
+        train iteration before them, the checkpoint's own step when it was written at the end
+        of a train phase: a test phase redone after such a resume shows twice at that step
+        (purging that step would also hide the train events the checkpoint holds)."""
         if any(self.log_dir.glob("events.out.tfevents.*")):
             self._purge_step = int(iteration) + 1
 

@@ -235,8 +235,9 @@ def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int) 
     """VISSL's rule for the linear warm-up of an auto-scaled composite schedule.
 
     Goyal et al.'s warm-up ramps from the lr of one node's batch to the lr of the global
-    batch. So every ``linear`` child starts at ``node_lr`` (and ends at scaled_lr, set by
-    the scaling). On one node the ramp would start where it ends, and the child is dropped;
+    batch. So every rising ``linear`` child starts at ``node_lr`` (and ends at scaled_lr, set
+    by the scaling); a falling one (a linear decay) keeps its scaled values, where VISSL would
+    restart it at the node's lr. On one node the ramp would start where it ends, and the child is dropped;
     if one child is left it becomes the whole schedule (over all of training), otherwise
     the dropped child's share of ``lengths`` goes to the others in proportion. VISSL uses
     the linear per-node factor even with ``scaling_type: sqrt``, which turns the warm-up
@@ -247,7 +248,7 @@ def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int) 
     children = cfg.get("schedulers") or []
     drop = None
     for i, child in enumerate(children):
-        if child.get("name") == "linear":
+        if child.get("name") == "linear" and _rises(child):  # a linear decay (a schedule's tail) is no warm-up
             child["start_value"] = node_lr
             if num_nodes == 1 and node_lr <= float(child.get("end_value", 0.0)) * (1 + 1e-9):
                 drop = i
@@ -270,6 +271,13 @@ def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int) 
     if len(scaling) == len(children) + 1:
         out["interval_scaling"] = [v for i, v in enumerate(scaling) if i != drop]
     return out
+
+
+def _rises(child: Mapping[str, Any]) -> bool:
+    try:
+        return float(child.get("start_value", 0.0)) < float(child.get("end_value", 0.0))
+    except (TypeError, ValueError):
+        return False  # the schedule's own validation names the bad value
 
 
 def _plain(cfg: Any) -> Any:

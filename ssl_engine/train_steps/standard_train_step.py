@@ -270,12 +270,16 @@ def explain_one_sample_batch(task: Any, inputs: Any, error: ValueError) -> None:
     first = inputs if isinstance(inputs, torch.Tensor) else inputs[0]
     rows = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 1
     data = task.config.DATA[split]
+    bn = f"a BatchNorm layer of the model cannot train on one value per channel (iteration {task.iteration})"
+    if int(data.BATCHSIZE_PER_REPLICA) == 1:
+        raise UserError(
+            f"config.DATA.{split}.BATCHSIZE_PER_REPLICA=1 gives batches of one sample, and {bn}; raise it"
+        ) from None
     per_rank = len(task.dataloaders[split].sampler) if split in getattr(task, "dataloaders", {}) else None
     where = (f"{per_rank} samples per rank in batches of {data.BATCHSIZE_PER_REPLICA} leave a last batch of "
              f"{rows}" if per_rank is not None else f"a batch of {rows} sample(s)")
     raise UserError(
-        f"config.DATA.{split}: {where}, and a BatchNorm layer of the model cannot train on one value per "
-        f"channel (iteration {task.iteration}); set config.DATA.{split}.DROP_LAST=true, or change "
+        f"config.DATA.{split}: {where}, and {bn}; set config.DATA.{split}.DROP_LAST=true, or change "
         f"BATCHSIZE_PER_REPLICA or the number of samples"
     ) from None
 

@@ -590,6 +590,22 @@ def test_an_older_key_override_wins_over_the_same_key_in_the_file(tmp_path, capl
         compose([QUICK, "config.TENSORBOARD_SETUP.USE_TENSORBORD=true"])
 
 
+def test_a_new_layout_override_wins_over_the_files_older_layout(tmp_path):
+    """The file says MONITOR_PERF_STATS / TRUNK_PARAMS (moved onto the new place); the command
+    line sets the new place itself: the command line wins, as it does for any other key."""
+    path = write_yaml(tmp_path, "older.yaml", "# @package _global_\nconfig:\n  MONITOR_PERF_STATS: true\n"
+                                              "  TENSORBOARD_SETUP:\n    USE_TENSORBOARD: true\n    FLUSH_EVERY_N_MIN: 7\n"
+                                              "  MODEL:\n    TRUNK:\n      TRUNK_PARAMS:\n        RESNETS:\n"
+                                              "          DEPTH: 18\n")
+    cfg = compose([f"config={path}"])
+    assert cfg.HOOKS.PERF_STATS.MONITOR_PERF_STATS is True and cfg.MODEL.TRUNK.RESNETS.DEPTH == 18
+    cfg = compose([f"config={path}", "config.HOOKS.PERF_STATS.MONITOR_PERF_STATS=false",
+                   "config.MODEL.TRUNK.RESNETS.DEPTH=50", "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=false"])
+    assert cfg.HOOKS.PERF_STATS.MONITOR_PERF_STATS is False and cfg.MODEL.TRUNK.RESNETS.DEPTH == 50
+    assert cfg.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD is False
+    assert cfg.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN == 7  # the file's other moved values stay
+
+
 def test_vissl_config_shapes_read_as_vissl_does(tmp_path, caplog):
     path = write_yaml(tmp_path, "vissl_shapes.yaml", """\
         # @package _global_

@@ -452,6 +452,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     overrides = list(overrides or [])
     hydra_overrides: List[str] = []
     added_keys: List[str] = []
+    command_line: List[str] = []  # the overrides' keys: they win over a yaml file's older layout
     experiment: Optional[str] = None
     with tempfile.TemporaryDirectory(prefix="ssl_engine_cfg_") as tmpdir:
         extra_dirs: List[Path] = []
@@ -473,6 +474,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 continue
             if key.startswith("+"):
                 added_keys.append(key.lstrip("+"))
+            command_line.append(key)
             hydra_overrides.append(f"{key}={value}")
         user_file = None
         if experiment is not None:
@@ -484,7 +486,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     root.pop("hydra", None)
     if not isinstance(root.get("config"), dict):
         raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
-    return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused)
+    return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=command_line)
 
 
 def to_yaml(cfg: AttrDict) -> str:

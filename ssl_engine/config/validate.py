@@ -10,7 +10,7 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import ConfigError, closest
@@ -399,6 +399,18 @@ def _node(root: Dict[str, Any], path: Iterable[str]) -> Any:
     return node
 
 
+def _values_at(root: Dict[str, Any], keys: Iterable[str]) -> Dict[Tuple[str, ...], Any]:
+    """{path: value} of the dotted ``keys`` present in ``root`` (copies, so later moves into
+    the same place do not change them)."""
+    found: Dict[Tuple[str, ...], Any] = {}
+    for key in keys:
+        path = tuple(str(key).lstrip("+~").split("."))
+        parent = _node(root, path[:-1])
+        if path[-1:] and isinstance(parent, dict) and path[-1] in parent:
+            found[path] = copy.deepcopy(parent[path[-1]])
+    return found
+
+
 def _put_over(node: Dict[str, Any], key: str, value: Any) -> None:
     """``node[key] = value``, merged into what is there when both are mappings."""
     here = node.get(key)
@@ -442,10 +454,26 @@ def _upgrade_older_layout(root: Dict[str, Any]) -> None:
 
 
 def validate(
-    root: Dict[str, Any], defaults: Dict[str, Any], added_keys: Iterable[str] = (), warn_unused: bool = True
+    root: Dict[str, Any],
+    defaults: Dict[str, Any],
+    added_keys: Iterable[str] = (),
+    warn_unused: bool = True,
+    command_line: Iterable[str] = (),
 ) -> AttrDict:
-    """Check a composed root dict against the defaults; return the config node as an AttrDict."""
+    """Check a composed root dict against the defaults; return the config node as an AttrDict.
+
+    ``command_line`` lists the keys given as overrides (``config.HOOKS.PERF_STATS.X``): their
+    values win over what a yaml file's older layout moves onto the same place.
+    """
+    given = _values_at(root, command_line)
     _upgrade_older_layout(root)
+    for path, value in given.items():
+        node = root
+        for key in path[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[path[-1]] = value
     walker = _Walker(added_keys, compat_keys())
     merged = walker.walk(root, defaults, "")
     if walker.unknown or walker.wrong:  # every problem of the file at once, not one per attempt

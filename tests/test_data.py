@@ -210,8 +210,8 @@ def test_disk_folder_empty_class_folders_are_a_user_error(tmp_path: Any) -> None
     (root / "notes" / "readme.txt").write_text("no images here\n")
     cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(root)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
     with pytest.raises(UserError, match=r"config\.DATA\.TRAIN\.DATA_PATHS\[0\]: 2 class folder\(s\) of '.*imgs' hold no "
-                                        r"images: 'notes', 'zz_empty'; each subfolder is a class, so remove them or put "
-                                        r"images in them"):
+                                        r"images: 'notes', 'zz_empty'; each subfolder is a class: put images in them "
+                                        r".*removing one renumbers the classes after it"):
         build_dataset(cfg, "TRAIN")
     for i in range(7):
         (root / f"e{i}").mkdir()

@@ -288,20 +288,26 @@ def _run_row(row: Row, places: Dict[str, Path]) -> dict:
     return {"proc": proc, "folder": folder, "before": before, "after": folder_hashes(folder)}
 
 
-def _run_row_in_process(row: Row, places: Dict[str, Path], capsys) -> dict:
+def main_in_process(args: List[str]) -> int:
+    """The tool's main() in this process (no torch import per row); its console handlers are
+    removed afterwards, so the next call logs only once."""
     from ssl_engine.cli import main
 
+    try:
+        return main(args)
+    finally:
+        for h in list(logging.getLogger().handlers):  # main() logs to the console it was given
+            if getattr(h, "_ssl_engine", False):
+                logging.getLogger().removeHandler(h)
+
+
+def _run_row_in_process(row: Row, places: Dict[str, Path], capsys) -> dict:
     folder = places["root"] / "rows" / row.id
     shutil.copytree(places[row.folder], folder, symlinks=True)
     before = folder_hashes(folder)
     args = BASE + [f"config.CHECKPOINT.DIR={folder}"] + [_fill(a, places) for a in row.args]
     capsys.readouterr()
-    try:
-        code = main(args)
-    finally:
-        for h in list(logging.getLogger().handlers):  # main() logs to the console it was given
-            if getattr(h, "_ssl_engine", False):
-                logging.getLogger().removeHandler(h)
+    code = main_in_process(args)
     out = capsys.readouterr()
     proc = subprocess.CompletedProcess(args, code, out.out, out.err)
     return {"proc": proc, "folder": folder, "before": before, "after": folder_hashes(folder)}
@@ -455,20 +461,14 @@ def test_random_yaml_documents_compose_or_raise_config_error(tmp_path_factory, d
 def test_more_ranks_than_gpus_is_one_line_before_any_process_starts(tmp_path, capsys, monkeypatch):
     """NUM_PROC_PER_NODE above the GPUs present on a GPU run (one GPU pretended, no rank starts)."""
     import ssl_engine.launch as launch
-    from ssl_engine.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(launch, "RankGroup", None)  # starting ranks would fail loudly
     monkeypatch.setattr(launch, "_in_process", None)
     folder = tmp_path / "run"
-    try:
-        code = main(BASE + [f"config.CHECKPOINT.DIR={folder}", "config.MACHINE.DEVICE=gpu",
-                            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
-    finally:
-        for h in list(logging.getLogger().handlers):
-            if getattr(h, "_ssl_engine", False):
-                logging.getLogger().removeHandler(h)
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={folder}", "config.MACHINE.DEVICE=gpu",
+                                   "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "config.DISTRIBUTED.NUM_PROC_PER_NODE=2" in err[0] and "1 GPU" in err[0], err[0]
@@ -477,15 +477,8 @@ def test_more_ranks_than_gpus_is_one_line_before_any_process_starts(tmp_path, ca
 def test_more_loader_workers_than_the_ranks_machine_can_start_is_one_line(tmp_path, capsys, monkeypatch):
     """Within the bound checked before launch (which may run on a login node), the rank itself
     refuses more workers than max(64, 8 x its CPUs) before starting any (2 CPUs pretended)."""
-    from ssl_engine.cli import main
-
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    try:
-        code = main(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.DATA.NUM_DATALOADER_WORKERS=100"])
-    finally:
-        for h in list(logging.getLogger().handlers):
-            if getattr(h, "_ssl_engine", False):
-                logging.getLogger().removeHandler(h)
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.DATA.NUM_DATALOADER_WORKERS=100"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "config.DATA.NUM_DATALOADER_WORKERS=100" in err[0] and "(2 CPUs)" in err[0] and "at most 64" in err[0], err[0]

@@ -99,10 +99,12 @@ ROWS: List[Row] = [
     # -- registry names -----------------------------------------------------------------------------
     R("unknown-trunk", ("config.MODEL.TRUNK.NAME=resnt",),
       ("unknown trunk 'resnt'", "config.MODEL.TRUNK.NAME", "known: mlp, resnet")),
-    R("unknown-loss", ("config.LOSS.name=cross_entropy",), ("unknown loss 'cross_entropy'", "config.LOSS.name", "known:"), tool=False),
+    R("unknown-loss", ("config.LOSS.name=cross_entropy",), ("unknown loss 'cross_entropy'", "config.LOSS.name", "known:"),
+    tool=False),
     R("unknown-transform", ("config.DATA.TRAIN.TRANSFORMS=[{name:ToTensr}]",),
       ("unknown transform 'ToTensr'", "did you mean 'ToTensor'"), tool=False),
-    R("unknown-engine", ("engine_name=trian",), ("unknown engine 'trian'", "known: extract_features, train"), tool=False),
+    R("unknown-engine", ("engine_name=trian",), ("unknown engine 'trian'", "known: extract_features, train"),
+    tool=False),
     # -- data ---------------------------------------------------------------------------------------
     R("missing-data-paths", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS", "disk_folder")),
@@ -115,7 +117,7 @@ ROWS: List[Row] = [
     R("empty-class-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_empty_class]",
                              "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "1 class folder(s) of '{fx}/images_empty_class' hold no images: 'zz_empty'",
-       "put images in them", "removing one renumbers the classes after it")),
+       "put images in them", "removing one renumbers the classes after it"), tool=False),
     R("labels-do-not-match-data", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
                                    "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                                    "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
@@ -124,7 +126,8 @@ ROWS: List[Row] = [
     R("labels-fractional", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                             "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                             "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_half.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
-      ("config.DATA.TRAIN.LABEL_PATHS[0]", "{fx}/labels_half.npy", "the label 0.5 at index 1", "integer class indices")),
+      ("config.DATA.TRAIN.LABEL_PATHS[0]", "{fx}/labels_half.npy", "the label 0.5 at index 1", "integer class indices"),
+      tool=False),
     R("labels-float-beyond-head", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
                                    "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                                    "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
@@ -133,15 +136,16 @@ ROWS: List[Row] = [
       ("MODEL.HEAD.PARAMS[0] (mlp)", "outputs 10 classes", "has label 100", "at least 101 classes"), tool=False),
     R("data-list-empty-file", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/empty.npy]",
                                "config.DATA.TRAIN.LABEL_SOURCES=[]"),
-      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/empty.npy", "is empty (0 bytes)", "a .txt list, one per line")),
+      ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/empty.npy", "is empty (0 bytes)", "a .txt list, one per line"),
+      tool=False),
     R("data-list-not-utf8", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/latin1.txt]",
                              "config.DATA.TRAIN.LABEL_SOURCES=[]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/latin1.txt", "caf\\udce9.png", "does not exist",
-       "not UTF-8: byte 0xe9")),
+       "not UTF-8: byte 0xe9"), tool=False),
     R("data-list-is-a-folder", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images]",
                                 "config.DATA.TRAIN.LABEL_SOURCES=[]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/images' is a folder", "a .npy or .txt file listing image paths",
-       "disk_folder source in config.DATA.TRAIN.DATA_SOURCES")),
+       "disk_folder source in config.DATA.TRAIN.DATA_SOURCES"), tool=False),
     R("data-list-truncated", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
                               "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_truncated.npy]", "config.DATA.TRAIN.LABEL_SOURCES=[]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/images_truncated.npy' is truncated or corrupt", "shape (6,)"),
@@ -376,7 +380,7 @@ def test_a_label_beyond_a_heads_classes_found_by_the_run_is_one_line(tmp_path):
         assert text in err, err
 
 
-def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp_path):
+def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp_path, capsys):
     """33 samples in batches of 16 leave a last batch of 1, which BatchNorm cannot train on:
     one line with the arithmetic and DROP_LAST, exit 2 (was a ValueError traceback)."""
     proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.DATA.TRAIN.DATA_LIMIT=33",
@@ -387,10 +391,12 @@ def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp
     for text in ("config.DATA.TRAIN: 33 samples per rank in batches of 16 leave a last batch of 1",
                  "BatchNorm", "config.DATA.TRAIN.DROP_LAST=true"):
         assert text in err, err
-    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'one'}", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1",
-                            "config.DATA.TRAIN.DATA_LIMIT=4", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,16,10],use_bn:true}]]"])
-    err = proc.stderr.strip()
-    assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'one'}", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1",
+                                   "config.DATA.TRAIN.DATA_LIMIT=4",
+                                   "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,16,10],use_bn:true}]]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err[-3000:]
     assert "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1 gives batches of one sample" in err and "DROP_LAST" not in err, err
 
 

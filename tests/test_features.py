@@ -386,7 +386,7 @@ def test_a_preemption_signal_stops_extraction_and_the_rerun_completes(pretrained
     out = tmp_path / "out"
     args = ["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
             f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
-            "config.EXTRACT_FEATURES.CHUNK_THRESHOLD=8", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+            "config.EXTRACT_FEATURES.CHUNK_THRESHOLD=32", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
             "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
     proc = subprocess.Popen([sys.executable, TOOL, *args], cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -664,11 +664,10 @@ def check_labels_given(cfg: AttrDict, splits: List[str], loss: Any, meters: List
         d = cfg.DATA[split]
         if d.LABEL_SOURCES or str(d.get("LABEL_TYPE", "standard")) != "standard":
             continue
-        users = []
-        if getattr(loss, "needs_labels", False):
-            users.append(f"config.LOSS.name={cfg.LOSS.name}")
-        if split == "TEST" or cfg.METERS.enable_training_meter:
-            users += [f"the meter {m.name}" for m in meters if getattr(m, "needs_labels", False)]
+        from ssl_engine.models.label_range import label_scorers
+
+        users = [f"config.LOSS.name={cfg.LOSS.name}" if s is loss else f"the meter {s.name}"
+                 for s in label_scorers(cfg, split, loss, meters, flag="needs_labels")]
         if users:
             raise ConfigError(
                 f"{' and '.join(users)} score{'s' if len(users) == 1 else ''} class labels, but "

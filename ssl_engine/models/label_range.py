@@ -64,12 +64,14 @@ def max_label(dataset: Any, ignore_index: Optional[int] = None) -> Optional[int]
     return top
 
 
-def label_scorers(cfg: Any, split: str, loss: Any, meters: Sequence[Any]) -> List[Any]:
-    """The loss and meters that score ``split``'s labels as class indices: the loss in every
+def label_scorers(cfg: Any, split: str, loss: Any, meters: Sequence[Any],
+                  flag: str = "class_index_targets") -> List[Any]:
+    """The loss and meters that score ``split``'s labels (those whose class attribute ``flag`` is
+    set: ``class_index_targets``, or ``needs_labels`` for any use of labels): the loss in every
     phase, meters in test phases (and in train phases with METERS.enable_training_meter)."""
-    out = [loss] if getattr(loss, "class_index_targets", False) else []
+    out = [loss] if getattr(loss, flag, False) else []
     if split == "TEST" or cfg.METERS.enable_training_meter:
-        out += [m for m in meters if getattr(m, "class_index_targets", False)]
+        out += [m for m in meters if getattr(m, flag, False)]
     return out
 
 

@@ -83,8 +83,14 @@ def start_forkserver_early(cfg) -> None:
         return
     from multiprocessing import forkserver
 
+    from ssl_engine.errors import UserError
     from ssl_engine.forkserver import preload_forkserver
+    from ssl_engine.socket_dir import ensure_short_socket_dir
 
+    try:
+        ensure_short_socket_dir()  # the forkserver's socket lives there
+    except UserError:
+        return  # said before launch (ssl_engine.launch)
     preload_forkserver()
     try:
         forkserver.ensure_running()

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo, env_rank_info
 from ssl_engine.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, ConfigError, NonFiniteLossError, UserError
+from ssl_engine.socket_dir import ensure_short_socket_dir
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,7 @@ class RankGroup:
     def run(self) -> int:
         """Start the ranks, wait for all of them, and return the exit code of the node."""
         init_method, rdzv_dir = init_method_for(self.cfg)
+        short_sockets_if_needed(self.cfg, spawns_ranks=True)  # a SLURM node's TMPDIR too
         self._error_dir = tempfile.mkdtemp(prefix="ssl_engine_err_")
         forwarded: Dict[int, Any] = {}
 
@@ -449,6 +451,13 @@ def release_lock_of(folder: Path, pids: List[int]) -> bool:
     return True
 
 
+def short_sockets_if_needed(cfg: AttrDict, spawns_ranks: bool) -> None:
+    """Before any loader worker or forkserver binds a socket: multiprocessing's socket folder
+    short enough for Linux (ssl_engine.socket_dir); ranks and workers inherit it."""
+    if int(cfg.DATA.NUM_DATALOADER_WORKERS) > 0 or (spawns_ranks and cfg.MULTI_PROCESSING_METHOD == "forkserver"):
+        ensure_short_socket_dir()
+
+
 def spawn_ranks(cfg: AttrDict, node_id: int = 0) -> int:
     """Start NUM_PROC_PER_NODE ranks of node ``node_id`` and wait; returns the node's exit code."""
     return RankGroup(cfg, node_id).run()
@@ -464,9 +473,10 @@ def launch(cfg: AttrDict, node_id: int = 0) -> int:
         from ssl_engine.slurm import submit
 
         return submit(cfg)
+    world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+    short_sockets_if_needed(cfg, spawns_ranks=world > 1 and not under_torchrun())
     if under_torchrun():
         return run_under_torchrun(cfg)
-    world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
     if not 0 <= node_id < cfg.DISTRIBUTED.NUM_NODES:
         raise ConfigError(
             f"node_id={node_id} is out of range for config.DISTRIBUTED.NUM_NODES={cfg.DISTRIBUTED.NUM_NODES} "

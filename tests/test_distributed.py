@@ -567,6 +567,55 @@ def test_forkserver_ranks_and_workers_equal_one_rank(tmp_path: Path, one_rank_me
     assert_same_metrics(read_metrics(folder), one_rank_metrics)
 
 
+def long_temp_dir(tmp_path: Path) -> Path:
+    """A temp dir of 90 characters: multiprocessing's sockets under it would pass Linux's 107 bytes."""
+    folder = tmp_path / "t"
+    folder = Path(str(folder) + "x" * max(1, 90 - len(str(folder))))
+    folder.mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("ranks,method", [(2, "forkserver"), (1, "fork")])
+def test_ranks_and_workers_run_under_a_temp_dir_too_long_for_sockets(tmp_path: Path, ranks: int, method: str) -> None:
+    """Loader workers pass batches as file descriptors through a socket multiprocessing binds in
+    the temp dir; under a long TMPDIR (a cluster's per-job folder) the bind failed in the
+    worker's queue thread and the ranks waited for their first batch forever (the forkserver
+    could not start at all). The sockets now go to a short folder, with a warning, and the run
+    ends normally."""
+    tmpdir = long_temp_dir(tmp_path)
+    folder = tmp_path / "run"
+    base = [o for o in SUPERVISED if "DATA_LIMIT" not in o and "num_epochs" not in o]
+    proc = run_tool(base + per_rank(ranks) + [
+        "config.DATA.TRAIN.DATA_LIMIT=128", "config.DATA.TEST.DATA_LIMIT=64", "config.OPTIMIZER.num_epochs=1",
+        f"config.CHECKPOINT.DIR={folder}", f"config.MULTI_PROCESSING_METHOD={method}",
+        "config.DATA.NUM_DATALOADER_WORKERS=1",
+    ], env={"TMPDIR": str(tmpdir)}, timeout=240)
+    ok(proc)
+    line = next(ln for ln in proc.stdout.splitlines() if "too long for the sockets" in ln)
+    assert str(tmpdir) in line
+    moved = Path(line.rsplit(" they go to ", 1)[1].split(" instead")[0])
+    assert len(str(moved)) < 30 and not moved.exists()  # removed when the run ended
+    assert [m["phase_idx"] for m in read_metrics(folder)] == [0, 1]
+
+
+def test_a_temp_dir_too_long_for_sockets_with_nowhere_else_is_a_user_error(tmp_path: Path) -> None:
+    code = (
+        "from ssl_engine.socket_dir import ensure_short_socket_dir\n"
+        "from ssl_engine.errors import UserError\n"
+        "try:\n    ensure_short_socket_dir(bases=('/nonexistent-folder',))\n"
+        "except UserError as e:\n    print('UserError:', e)\n"
+    )
+    tmpdir = long_temp_dir(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=tool_env({"TMPDIR": str(tmpdir)}),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"UserError: the temp dir {tmpdir} (")
+    assert "set TMPDIR to a folder of at most 75 characters" in proc.stdout
+    short = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=tool_env({"TMPDIR": str(tmp_path)}),
+                           capture_output=True, text=True, timeout=60)
+    assert short.returncode == 0 and short.stdout == ""  # a short temp dir: nothing to do
+
+
 def test_killed_run_leaves_no_forkserver_workers(tmp_path: Path) -> None:
     """SIGKILL of a one-process run whose loader workers come from a forkserver: the workers
     (which ignore SIGTERM) and the forkserver end on their own within seconds."""

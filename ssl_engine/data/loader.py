@@ -28,6 +28,7 @@ from ssl_engine.data.sampler import StatefulDistributedSampler
 from ssl_engine.data.sources import data_key
 from ssl_engine.errors import UserError
 from ssl_engine.forkserver import preload_forkserver
+from ssl_engine.socket_dir import ensure_short_socket_dir
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ def build_dataloader(
     generator.manual_seed((seed * 1_000_003 + rank) % (1 << 63))
     kwargs: Dict[str, Any] = {}
     if num_workers > 0:
+        ensure_short_socket_dir(announce=check_cpus)  # workers send batches through sockets there (quiet before launch)
         kwargs["persistent_workers"] = True
         kwargs["worker_init_fn"] = functools.partial(worker_init_fn, main_pid=os.getpid())
         method = cfg.get("MULTI_PROCESSING_METHOD")

@@ -569,3 +569,33 @@ def test_an_error_raised_while_ctrl_c_unwinds_is_reported_as_the_interrupt(capsy
     assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
     with pytest.raises(RuntimeError, match="a bug"):
         run_command(["config=quick/simclr_synthetic"], broken)
+
+
+UNPICKLABLE_COLLATOR = '''\
+    """A collator that puts a lambda in the batch: a loader worker cannot send it to its rank."""
+    from ssl_engine.data.collators import default_collate
+    from ssl_engine.registry import COLLATORS
+
+
+    @COLLATORS.register("with_a_lambda")
+    def with_a_lambda(samples):
+        batch = default_collate(samples)
+        batch["note"] = lambda: 0
+        return batch
+'''
+
+
+def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path):
+    """multiprocessing's queue thread drops a batch that fails to pickle after printing a
+    traceback, and the rank waited for it forever; now the worker ends and the run stops in
+    seconds, the worker's own line naming the value."""
+    module = write_module(tmp_path, "unpicklable_collator", UNPICKLABLE_COLLATOR)
+    try:
+        proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.OPTIMIZER.num_epochs=1",
+                                "config.DATA.NUM_DATALOADER_WORKERS=1", f"config.USER_MODULES=[{module}]",
+                                "config.DATA.TRAIN.COLLATE_FUNCTION=with_a_lambda"], timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the run waited for a batch its loader worker had dropped")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "cannot send a batch to its rank" in proc.stderr and "with_a_lambda.<locals>.<lambda>" in proc.stderr
+    assert "exited unexpectedly" in proc.stderr

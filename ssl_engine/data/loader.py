@@ -49,6 +49,33 @@ def worker_init_fn(worker_id: int, main_pid: Optional[int] = None) -> None:
         signal.signal(sig, signal.SIG_IGN)
     if main_pid is not None:
         threading.Thread(target=_exit_when_gone, args=(main_pid,), name="main-watchdog", daemon=True).start()
+    _end_worker_on_unsent_batch()
+
+
+def _end_worker_on_unsent_batch() -> None:
+    """Make a batch this worker cannot send end the worker, instead of being dropped.
+
+    A worker's batches leave through a multiprocessing queue whose background thread pickles
+    them. When that fails (a value in the batch that does not pickle, such as a lambda or an
+    open file from a user's transform or collator; shared memory or a socket that cannot be
+    had), the thread prints a traceback and drops the batch, and the rank waits for it
+    forever. Ended, the worker is seen gone by the rank's DataLoader within seconds, and the
+    run stops with "DataLoader worker ... exited unexpectedly" after this worker's own line
+    naming the cause. Runs in the worker only (worker_init_fn), before its first batch.
+    """
+    import multiprocessing.queues
+    import sys
+
+    def on_error(error: BaseException, batch: Any) -> None:
+        sys.stderr.write(
+            f"error: loader worker (pid {os.getpid()}) cannot send a batch to its rank: "
+            f"{type(error).__name__}: {error}; every value a collator returns must pickle "
+            f"(tensors, numbers, strings, lists and dicts of them); ending the worker\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(on_error)
 
 
 def _process_gone(pid: int) -> bool:

@@ -144,6 +144,27 @@ def test_digits_split_labels_and_images() -> None:
     assert big.sources[0].get(0).size == (24, 24)
 
 
+def test_digits_are_scikit_learns_read_without_importing_sklearn_datasets() -> None:
+    """The bundled file read directly gives load_digits' arrays; importing sklearn.datasets
+    (and scipy) would cost each process that builds the data set 1.5 s of CPU."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from ssl_engine.data.sources import _load_digits
+
+    images, targets = _load_digits()
+    d = load_digits()
+    assert images.dtype == np.float32 and targets.dtype == np.int64
+    assert np.array_equal(images, d.images) and np.array_equal(targets, d.target)
+    code = ("import sys; from ssl_engine.data.sources import _load_digits; x, y = _load_digits(); "
+            "print(len(x), 'sklearn.datasets' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.split() == ["1797", "False"], out.stderr[-2000:]
+
+
 def test_disk_folder_lengths_labels_and_lazy_open(tmp_path: Any) -> None:
     root = str(tmp_path / "imgs")
     write_image_tree(root, {"cat": 3, "ant": 2, "bee": 1})

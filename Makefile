@@ -23,7 +23,7 @@ demo: venv
 # bytecode written once: the suite starts a few hundred processes that import ssl_engine, and
 # PYTHONDONTWRITEBYTECODE (set on some CI machines) would have each compile it again
 test: venv
-	$(PY) -m compileall -q ssl_engine tools >/dev/null
+	$(PY) -m compileall -q ssl_engine tools
 	$(PY) -m pytest -q -m "not gpu" tests
 
 # the peers the benchmark runs next to the engine (PyTorch Ignite, Lightning) and py-spy: setup.py's bench extra

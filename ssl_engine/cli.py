@@ -81,16 +81,14 @@ def start_forkserver_early(cfg) -> None:
     spawns_ranks = world > 1 and "RANK" not in os.environ  # torchrun's ranks run in-process
     if int(cfg.DATA.NUM_DATALOADER_WORKERS) <= 0 and not spawns_ranks:
         return
+    import tempfile
     from multiprocessing import forkserver
 
-    from ssl_engine.errors import UserError
     from ssl_engine.forkserver import preload_forkserver
-    from ssl_engine.socket_dir import ensure_short_socket_dir
+    from ssl_engine.socket_dir import socket_path_fits
 
-    try:
-        ensure_short_socket_dir()  # the forkserver's socket lives there
-    except UserError:
-        return  # said before launch (ssl_engine.launch)
+    if not socket_path_fits(tempfile.gettempdir()):
+        return  # its socket could not bind there: launch() moves the sockets first, in the main thread
     preload_forkserver()
     try:
         forkserver.ensure_running()

@@ -33,21 +33,16 @@ def socket_path_fits(folder: str, in_pymp: bool = True) -> bool:
     return len(os.fsencode(os.path.join(*parts))) <= MAX_SOCKET_PATH
 
 
-_moved: Optional[str] = None  # the temp dir whose length made this process move multiprocessing's folder
-_announced = False
-
-
-def ensure_short_socket_dir(bases: Sequence[str] = SHORT_BASES, announce: bool = True) -> Optional[str]:
-    """Make multiprocessing's socket folder short enough; returns it where it had to be moved.
+def ensure_short_socket_dir(bases: Sequence[str] = SHORT_BASES) -> Optional[str]:
+    """Make multiprocessing's socket folder short enough; returns it where this call moved it.
 
     Nothing changes where the temp dir is short enough (the usual case). Otherwise
     multiprocessing's folder is created under the first writable folder of ``bases`` that
-    fits, and a warning says so once per process (not while ``announce`` is False: the quiet
-    pre-launch build of the parts). Children (ranks, loader workers, forkserver children)
-    inherit the folder with their process object. Raises UserError when no folder fits.
-    Idempotent.
+    fits, with a warning. Children (ranks, loader workers, forkserver children) inherit the
+    folder with their process object. Raises UserError when no folder fits. Idempotent. Call
+    it from the main thread before other threads start: it swaps ``tempfile.tempdir`` for a
+    moment.
     """
-    global _moved, _announced
     import multiprocessing
     import multiprocessing.util as mp_util
 
@@ -66,19 +61,15 @@ def ensure_short_socket_dir(bases: Sequence[str] = SHORT_BASES, announce: bool =
             folder = mp_util.get_temp_dir()
         finally:
             tempfile.tempdir = saved
-        _moved = temp
-    elif not socket_path_fits(folder, in_pymp=False):  # made by multiprocessing itself, before this call
-        raise UserError(_too_long(os.path.dirname(folder), bases))
-    if _moved is None:
-        return None
-    if announce and not _announced:
-        _announced = True
         log.warning(
             "the temp dir %s is %d characters, too long for the sockets loader workers pass batches "
             "through (Linux allows %d bytes in a socket's path); they go to %s instead (other temp "
-            "files stay in the temp dir)", _moved, len(_moved), MAX_SOCKET_PATH, folder,
+            "files stay in the temp dir)", temp, len(temp), MAX_SOCKET_PATH, folder,
         )
-    return folder
+        return folder
+    if not socket_path_fits(folder, in_pymp=False):  # made by multiprocessing itself, before this call
+        raise UserError(_too_long(os.path.dirname(folder), bases))
+    return None
 
 
 def _too_long(folder: str, bases: Sequence[str]) -> str:

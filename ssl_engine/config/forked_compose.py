@@ -189,6 +189,7 @@ def start(overrides: List[str], on_config: Optional[Callable[[Any], None]] = Non
         import multiprocessing.forkserver  # noqa: F401
 
         import ssl_engine.forkserver  # noqa: F401
+        import ssl_engine.socket_dir  # noqa: F401
     _flush_std_streams()  # or the child would write the parent's buffered output a second time
     read_fd, write_fd = os.pipe()
     try:

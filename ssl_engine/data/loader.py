@@ -66,12 +66,13 @@ def _end_worker_on_unsent_batch() -> None:
     import multiprocessing.queues
     import sys
 
+    import pickle
+
     def on_error(error: BaseException, batch: Any) -> None:
-        sys.stderr.write(
-            f"error: loader worker (pid {os.getpid()}) cannot send a batch to its rank: "
-            f"{type(error).__name__}: {error}; every value a collator returns must pickle "
-            f"(tensors, numbers, strings, lists and dicts of them); ending the worker\n"
-        )
+        hint = ("; every value a collator returns must pickle (tensors, numbers, strings, lists and dicts "
+                "of them)" if isinstance(error, (pickle.PicklingError, TypeError, AttributeError)) else "")
+        sys.stderr.write(f"error: loader worker (pid {os.getpid()}) cannot send a batch to its rank: "
+                         f"{type(error).__name__}: {error}{hint}; ending the worker\n")
         sys.stderr.flush()
         os._exit(1)
 
@@ -214,7 +215,8 @@ def build_dataloader(
     generator.manual_seed((seed * 1_000_003 + rank) % (1 << 63))
     kwargs: Dict[str, Any] = {}
     if num_workers > 0:
-        ensure_short_socket_dir(announce=check_cpus)  # workers send batches through sockets there (quiet before launch)
+        if check_cpus:  # on the rank's machine (not in the pre-launch check, which may run on a login node)
+            ensure_short_socket_dir()  # workers send batches through sockets there
         kwargs["persistent_workers"] = True
         kwargs["worker_init_fn"] = functools.partial(worker_init_fn, main_pid=os.getpid())
         method = cfg.get("MULTI_PROCESSING_METHOD")

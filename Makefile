@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # torch/torchvision pinned to the builds this machine's pip takes from local disk
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 DEMO_DIR ?= demo_run
+# pytest-xdist workers for `make test`: most tests wait on the tool in a subprocess, so two run
+# well on 2 cores (15 min against 21 serially); more oversubscribe the 2-rank tests
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench clean
 
@@ -24,7 +27,7 @@ demo: venv
 # PYTHONDONTWRITEBYTECODE (set on some CI machines) would have each compile it again
 test: venv
 	$(PY) -m compileall -q ssl_engine tools
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not gpu" tests
 
 # the peers the benchmark runs next to the engine (PyTorch Ignite, Lightning) and py-spy: setup.py's bench extra
 $(VENV)/.bench-installed: $(VENV)/.installed setup.py

@@ -31,5 +31,5 @@ setup(
     ],
     # bench: the peers benchmarks/peers.py runs next to the engine (make bench installs them) and
     # py-spy, the sampling profiler benchmarks/README.md uses to read a running loop
-    extras_require={"dev": ["pytest", "hypothesis"], "bench": ["pytorch-ignite", "lightning", "py-spy"]},
+    extras_require={"dev": ["pytest", "pytest-xdist", "hypothesis"], "bench": ["pytorch-ignite", "lightning", "py-spy"]},
 )

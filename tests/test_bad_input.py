@@ -333,6 +333,7 @@ def test_the_table_is_big_enough():
     assert sum(r.tool for r in ROWS) >= 30  # rows that run the real tool in a subprocess
 
 
+@pytest.mark.xdist_group("bad_input_rows")  # one pytest-xdist worker runs the rows' fixture, not each
 @pytest.mark.parametrize("row", ROWS, ids=[r.id + ("" if r.tool else "-main") for r in ROWS])
 def test_bad_input_row(row: Row, results, folders, capsys):
     got = results[row.id] if row.tool else _run_row_in_process(row, folders, capsys)

@@ -8,7 +8,7 @@ queue thread, which prints ``OSError: AF_UNIX path too long`` and drops the batc
 rank waits for that batch forever. So before any worker or forkserver starts, multiprocessing
 is given its folder in a short standard place (only its sockets live there; everything else
 still goes to TMPDIR), and where there is none the run stops with a message saying so.
-Torch-free: the launcher calls it before it imports torch.
+Torch-free: the thread that starts the forkserver early checks with it while torch imports.
 """
 
 import logging

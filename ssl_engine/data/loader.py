@@ -64,9 +64,8 @@ def _end_worker_on_unsent_batch() -> None:
     naming the cause. Runs in the worker only (worker_init_fn), before its first batch.
     """
     import multiprocessing.queues
-    import sys
-
     import pickle
+    import sys
 
     def on_error(error: BaseException, batch: Any) -> None:
         hint = ("; every value a collator returns must pickle (tensors, numbers, strings, lists and dicts "

@@ -23,11 +23,10 @@ import sys
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
-from ssl_engine.errors import USER_ERROR_EXIT_CODE, NonFiniteLossError, UserError, one_line
+from ssl_engine.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, NonFiniteLossError, UserError, one_line
 
 log = logging.getLogger("ssl_engine")
 
-INTERRUPTED_EXIT_CODE = 130
 RUN_FAILED_EXIT_CODE = 1
 
 _HELP = """usage: run_distributed_engines.py config=<name or file.yaml> [config.KEY=value ...] [+config.NEW=value ...]

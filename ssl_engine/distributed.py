@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ssl_engine import preemption
+
 log = logging.getLogger(__name__)
 
 
@@ -86,13 +88,17 @@ def init_process_group(info: RankInfo, timeout_minutes: float) -> None:
         # CUDA tensors go through NCCL; the small CPU-tensor collectives (preemption vote, loss
         # sums, logged scalars) through gloo, which NCCL alone would refuse
         backend = "cuda:nccl,cpu:gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=info.init_method,
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+    waiting_for = f"the {info.world_size} ranks to join at {info.init_method}"
+    log.info("rank %d: waiting for %s (at most config.DISTRIBUTED.TIMEOUT_MINUTES=%s)", info.rank, waiting_for,
+             timeout_minutes)
+    with preemption.stop_while_blocked(waiting_for):  # a Ctrl-C or preemption must not wait for the timeout
+        dist.init_process_group(
+            backend=backend,
+            init_method=info.init_method,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
     log.debug("rank %d/%d joined %s (%s)", info.rank, info.world_size, info.init_method, info.backend)
 
 

@@ -11,6 +11,7 @@ from typing import Iterable, List
 
 USER_ERROR_EXIT_CODE = 2
 PREEMPTED_EXIT_CODE = 3
+INTERRUPTED_EXIT_CODE = 130  # stopped by Ctrl-C / SIGINT (the shell's convention)
 
 
 class UserError(Exception):

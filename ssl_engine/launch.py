@@ -28,13 +28,19 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo, env_rank_info
-from ssl_engine.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, ConfigError, NonFiniteLossError, UserError
+from ssl_engine.errors import (
+    INTERRUPTED_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    ConfigError,
+    NonFiniteLossError,
+    UserError,
+)
 from ssl_engine.socket_dir import ensure_short_socket_dir
 
 log = logging.getLogger(__name__)
 
 KILL_GRACE_SECONDS = 10.0  # after SIGINT, survivors of a failed rank get this long before SIGKILL
-INTERRUPTED_EXIT_CODE = 130  # a rank stopped by Ctrl-C / SIGINT (the shell's convention)
 _NON_FINITE_MARK = "non-finite loss: "  # how a rank's error file marks a NonFiniteLossError
 _SPAWNED_ENV = "SSL_ENGINE_SPAWNED"  # set in ranks we start, so they never think they run under torchrun
 # Held back while ranks start (the mask is inherited), released once a rank routes them to its
@@ -43,13 +49,6 @@ _PREEMPTION_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
 # SIGINT too: a rank may inherit it ignored until _child installs its handler, and a blocked
 # signal stays pending on Linux even then, so a stop sent while a rank starts is not lost.
 _HELD_WHILE_STARTING = _PREEMPTION_SIGNALS | {signal.SIGINT}
-
-
-def find_free_port() -> int:
-    """A TCP port nobody listens on right now, on localhost."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def backend_for(cfg: AttrDict) -> str:
@@ -95,23 +94,24 @@ def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
                 "them); use INIT_METHOD=tcp with RUN_ID=host:port, or launch with torchrun"
             )
         return "env://", None
-    if d.INIT_METHOD == "file":
-        if d.RUN_ID == "auto":
-            if d.NUM_NODES > 1:
+    if d.INIT_METHOD == "file" and d.RUN_ID != "auto":
+        return f"file://{os.path.abspath(str(d.RUN_ID))}", None
+    if d.RUN_ID == "auto":
+        if d.NUM_NODES > 1:
+            if d.INIT_METHOD == "file":
                 raise ConfigError(
                     "config.DISTRIBUTED.INIT_METHOD=file with NUM_NODES > 1 needs config.DISTRIBUTED.RUN_ID set to "
                     "a file path on a file system every node shares"
                 )
-            folder = tempfile.mkdtemp(prefix="ssl_engine_rdzv_")
-            return f"file://{os.path.join(folder, 'rendezvous')}", folder
-        return f"file://{os.path.abspath(str(d.RUN_ID))}", None
-    if d.RUN_ID == "auto":
-        if d.NUM_NODES > 1:
             raise ConfigError(
                 "config.DISTRIBUTED.RUN_ID must be host:port of node 0 when NUM_NODES > 1 "
                 "(e.g. config.DISTRIBUTED.RUN_ID=10.0.0.1:29500), the same on every node"
             )
-        return f"tcp://127.0.0.1:{find_free_port()}", None
+        # One node: the ranks meet through a file in a fresh folder, tcp or file alike. A free
+        # port found now would stay free only until rank 0 binds it seconds later, and another
+        # job starting on the node could take it in between (its ranks would join ours).
+        folder = tempfile.mkdtemp(prefix="ssl_engine_rdzv_")
+        return f"file://{os.path.join(folder, 'rendezvous')}", folder
     host, _, port = str(d.RUN_ID).rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"config.DISTRIBUTED.RUN_ID={d.RUN_ID!r} is not host:port (e.g. 10.0.0.1:29500)")
@@ -225,6 +225,8 @@ class RankGroup:
         self.procs: List[Any] = []
         self.cause: Optional[int] = None  # index of the rank whose failure ended the job
         self._signalled_at: Optional[float] = None
+        self._interrupts: List[float] = []  # when each Ctrl-C reached the launcher
+        self._said_how_to_kill = False
         self._error_dir = ""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -237,6 +239,8 @@ class RankGroup:
         forwarded: Dict[int, Any] = {}
 
         def forward(signum: int, frame: Any) -> None:  # preemption and Ctrl-C reach every rank
+            if signum == signal.SIGINT:
+                self._interrupts.append(time.monotonic())
             self.send(signum)
 
         main_thread = threading.current_thread() is threading.main_thread()
@@ -301,11 +305,28 @@ class RankGroup:
                     self.send(signal.SIGINT)  # unwinds python in the survivors; a rank blocked in C gets SIGKILL
             elif alive and time.monotonic() - self._signalled_at > KILL_GRACE_SECONDS:
                 self._kill_alive()
+            if alive and self._interrupts and self._stop_interrupted():
+                continue
             if not alive:
                 break
             time.sleep(0.05)
         for p in self.procs:
             p.join()
+
+    def _stop_interrupted(self) -> bool:
+        """After a Ctrl-C: say how to stop at once; after a second one, SIGKILL the ranks still
+        running (a rank blocked in C code never sees the first). True when it killed them.
+
+        No timer does it: a rank finishing its checkpoint write may take a while."""
+        if not self._said_how_to_kill:
+            self._said_how_to_kill = True
+            log.warning("stopping the ranks (Ctrl-C again to kill them now)")
+        if len(self._interrupts) < 2:
+            return False
+        waited = time.monotonic() - self._interrupts[0]
+        log.warning("killing %d rank(s) still running %.0f s after Ctrl-C", len(self.alive()), waited)
+        self._kill_alive()
+        return True
 
     def _first_failure(self, failed: List[int]) -> int:
         """Among ranks seen failed in the same poll, the one that failed first.
@@ -354,6 +375,10 @@ class RankGroup:
     def _report(self) -> int:
         """The node's exit code; prints the failing rank's traceback (or raises its UserError)."""
         codes = [p.exitcode for p in self.procs]
+        stopped = (0, INTERRUPTED_EXIT_CODE, -signal.SIGKILL)  # unwound, or killed after the Ctrl-C: not failures
+        if self._interrupts and any(codes) and all(c in stopped for c in codes):
+            sys.stderr.write("interrupted\n")
+            return INTERRUPTED_EXIT_CODE
         if self.cause is None:
             if all(c == 0 for c in codes):
                 return 0

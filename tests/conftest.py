@@ -1,6 +1,7 @@
 """Shared test helpers: run the real tool in a subprocess, as a user would."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, for a test that names RUN_ID=host:port itself."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def processes_with(marker: str) -> List[int]:

@@ -9,9 +9,11 @@ import json
 import math
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,11 +22,12 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import REPO, TOOL, processes_with, run_tool, tool_env
+from conftest import REPO, TOOL, free_port, processes_with, run_tool, tool_env
 from ssl_engine.config import compose
 from ssl_engine.data.sampler import PaddedIndex, StatefulDistributedSampler, is_padded
 from ssl_engine.errors import ConfigError
-from ssl_engine.launch import find_free_port, init_method_for, remove_temp_files_of
+from ssl_engine.launch import init_method_for, remove_temp_files_of
+from ssl_engine.preemption import PREEMPTED_WAIT_S
 from ssl_engine.train_steps.standard_train_step import real_rows
 
 # A supervised run whose 1-rank and N-rank computations agree: no BatchNorm, TRAIN data a
@@ -130,6 +133,14 @@ def test_init_method_checks() -> None:
         init_method_for(cfg)
     cfg.DISTRIBUTED.RUN_ID = "10.0.0.1:29500"
     assert init_method_for(cfg) == ("tcp://10.0.0.1:29500", None)
+    # one node with RUN_ID=auto, tcp or file: a file in a fresh folder, no port another job could take
+    cfg.DISTRIBUTED.NUM_NODES, cfg.DISTRIBUTED.RUN_ID = 1, "auto"
+    for method in ("tcp", "file"):
+        cfg.DISTRIBUTED.INIT_METHOD = method
+        url, folder = init_method_for(cfg)
+        assert folder and Path(folder).is_dir() and url == f"file://{folder}/rendezvous"
+        os.rmdir(folder)
+    cfg.DISTRIBUTED.NUM_NODES = 2
     cfg.DISTRIBUTED.INIT_METHOD, cfg.DISTRIBUTED.RUN_ID = "file", "auto"
     with pytest.raises(ConfigError, match="shares"):
         init_method_for(cfg)
@@ -185,7 +196,7 @@ def test_sync_bn_on_cpu_is_a_one_line_error(tmp_path: Path, capsys: pytest.Captu
 def test_node_id_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     line = one_line_error(SUPERVISED + [
         "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
-        f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{find_free_port()}", "node_id=2", f"config.CHECKPOINT.DIR={tmp_path}",
+        f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{free_port()}", "node_id=2", f"config.CHECKPOINT.DIR={tmp_path}",
     ], capsys)
     assert "node_id=2" in line and "NUM_NODES=2" in line
 
@@ -307,7 +318,7 @@ def test_two_nodes_on_one_machine_equal_one_rank(tmp_path: Path, one_rank_metric
     folder = tmp_path / "run"
     args = SUPERVISED + per_rank(2) + [
         "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
-        f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{find_free_port()}", f"config.CHECKPOINT.DIR={folder}",
+        f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{free_port()}", f"config.CHECKPOINT.DIR={folder}",
     ]
     nodes = [
         subprocess.Popen([sys.executable, TOOL, *args, f"node_id={k}"], cwd=str(REPO), env=tool_env(),
@@ -493,6 +504,124 @@ def test_a_job_started_with_sigint_ignored_keeps_ignoring_ctrl_c(tmp_path: Path)
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert (tmp_path / "run" / "model_final_checkpoint_phase1.torch").exists()
+
+
+class _Tool:
+    """The tool with Ctrl-C at its default (a foreground command) and ``marker`` in its
+    environment; a thread collects its merged output so the test can wait for a line."""
+
+    def __init__(self, args: List[str], marker: str, env: Dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, TOOL, *args], cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=tool_env({**env, marker.split("=")[0]: marker.split("=")[1]}), text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        self.seen = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.put(line)
+        self.lines.put("")  # the end
+
+    def wait_for(self, text: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if not line:
+                raise AssertionError(f"no {text!r} (exit {self.proc.poll()}):\n{self.seen[-3000:]}")
+            self.seen += line
+
+    def end(self, timeout: float) -> str:
+        """Wait for the exit (kill after ``timeout``) and return the whole output."""
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._reader.join(timeout=10)
+            while not self.lines.empty():
+                self.seen += self.lines.get()
+        return self.seen
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 3)], ids=["ctrl_c", "preemption"])
+def test_a_stop_reaches_ranks_waiting_for_a_node_that_never_comes(tmp_path: Path, sig: int, code: int) -> None:
+    """Node 0 of two, and node 1 never starts: the ranks wait inside torch's rendezvous, where
+    no Python signal handler runs, for TIMEOUT_MINUTES. A Ctrl-C must still end the job at
+    once (exit 130), a preemption signal after PREEMPTED_WAIT_S (exit 3: nothing to save,
+    rerunning starts the run)."""
+    marker = f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}"
+    tool = _Tool(SUPERVISED + [
+        "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
+        f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{free_port()}", "node_id=0", f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+    ], marker, {})
+    try:
+        tool.wait_for("waiting for the 2 ranks to join")
+        time.sleep(1.0)  # inside the C++ wait by now
+        sent = time.monotonic()
+        tool.proc.send_signal(sig)
+    finally:
+        out = tool.end(timeout=PREEMPTED_WAIT_S + 30)
+    assert tool.proc.returncode == code, out[-3000:]
+    waited = time.monotonic() - sent
+    assert waited < 15 if sig == signal.SIGINT else PREEMPTED_WAIT_S - 1 < waited < PREEMPTED_WAIT_S + 15
+    assert f"stopped by {signal.Signals(sig).name} while waiting for the 2 ranks to join" in out
+    deadline = time.monotonic() + 10
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(marker) == []
+
+
+DEAF_TO_CTRL_C = '''
+import os, signal, time
+from pathlib import Path
+from ssl_engine.registry import TRAIN_STEPS
+
+@TRAIN_STEPS.register("deaf_to_ctrl_c")
+def deaf_to_ctrl_c(task):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a rank blocked in C code behaves
+    Path(os.environ["STARTED_STAMP"] + str(os.environ["RANK"])).touch()
+    while True:
+        time.sleep(0.05)
+'''
+
+
+def test_ctrl_c_twice_kills_ranks_that_do_not_stop(tmp_path: Path) -> None:
+    """The first Ctrl-C asks the ranks to stop and says how to force it; ranks that do not
+    stop (blocked in C code) are killed by a second Ctrl-C, exit 130."""
+    (tmp_path / "deaf.py").write_text(DEAF_TO_CTRL_C)
+    started = tmp_path / "started"
+    marker = f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}"
+    tool = _Tool(SUPERVISED + per_rank(2) + [
+        f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{tmp_path / 'deaf.py'}]",
+        "config.TRAINER.TRAIN_STEP_NAME=deaf_to_ctrl_c",
+    ], marker, {"STARTED_STAMP": str(started)})
+    try:
+        deadline = time.monotonic() + 240
+        while not all(Path(f"{started}{r}").exists() for r in (0, 1)):
+            assert tool.proc.poll() is None and time.monotonic() < deadline, tool.end(0)[-3000:]
+            time.sleep(0.1)
+        tool.proc.send_signal(signal.SIGINT)
+        tool.wait_for("Ctrl-C again to kill them now", timeout=30)
+        time.sleep(2.0)
+        assert tool.proc.poll() is None, "the ranks were killed before the second Ctrl-C"
+        tool.proc.send_signal(signal.SIGINT)
+    finally:
+        out = tool.end(timeout=30)
+    assert tool.proc.returncode == 130, out[-3000:]
+    assert "killing 2 rank(s) still running" in out and "interrupted" in out
+    assert "Traceback" not in out and "SIGKILL" not in out
+    deadline = time.monotonic() + 10
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(marker) == []
 
 
 # ----------------------------------------------------------------------------- startup

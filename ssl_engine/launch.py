@@ -414,6 +414,9 @@ class RankGroup:
         folder = Path(str(self.cfg.CHECKPOINT.DIR))
         remove_temp_files_of(folder, pids)
         release_lock_of(folder, pids)
+        from ssl_engine.data.loader import remove_unsent_batch_files
+
+        remove_unsent_batch_files(pids)
         for folder in (self._error_dir, rdzv_dir):
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)

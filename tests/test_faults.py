@@ -15,6 +15,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -585,17 +586,26 @@ UNPICKLABLE_COLLATOR = '''\
 '''
 
 
-def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path, ranks):
     """multiprocessing's queue thread drops a batch that fails to pickle after printing a
     traceback, and the rank waited for it forever; now the worker ends and the run stops in
-    seconds, the worker's own line naming the value."""
+    seconds with the worker's line naming the value, as a user error: one line, exit code 2."""
     module = write_module(tmp_path, "unpicklable_collator", UNPICKLABLE_COLLATOR)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
     try:
         proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.OPTIMIZER.num_epochs=1",
                                 "config.DATA.NUM_DATALOADER_WORKERS=1", f"config.USER_MODULES=[{module}]",
-                                "config.DATA.TRAIN.COLLATE_FUNCTION=with_a_lambda"], timeout=150)
+                                "config.DATA.TRAIN.COLLATE_FUNCTION=with_a_lambda",
+                                f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}"], env={"TMPDIR": str(tmpdir)},
+                        timeout=150)
     except subprocess.TimeoutExpired:
         pytest.fail("the run waited for a batch its loader worker had dropped")
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "cannot send a batch to its rank" in proc.stderr and "with_a_lambda.<locals>.<lambda>" in proc.stderr
-    assert "exited unexpectedly" in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: rank [01]: loader worker \(pid " if ranks == 2 else r"error: loader worker \(pid ", last)
+    assert "cannot send a batch to its rank" in last
+    assert "with_a_lambda.<locals>.<lambda>" in last and "must pickle" in last
+    assert "Traceback" not in proc.stderr and "exited unexpectedly" not in proc.stderr
+    assert not list(tmpdir.glob("ssl_engine_unsent_batch_*"))  # read, or removed by the launcher

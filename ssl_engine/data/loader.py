@@ -14,10 +14,12 @@ import functools
 import logging
 import os
 import random
+import re
 import signal
+import tempfile
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -49,33 +51,81 @@ def worker_init_fn(worker_id: int, main_pid: Optional[int] = None) -> None:
         signal.signal(sig, signal.SIG_IGN)
     if main_pid is not None:
         threading.Thread(target=_exit_when_gone, args=(main_pid,), name="main-watchdog", daemon=True).start()
-    _end_worker_on_unsent_batch()
+    _end_worker_on_unsent_batch(main_pid)
 
 
-def _end_worker_on_unsent_batch() -> None:
+def _unsent_batch_file(main_pid: int, worker: Any) -> str:
+    """Where a worker (a pid, or ``*``) leaves, for its training process, why it could not send a batch."""
+    return os.path.join(tempfile.gettempdir(), f"ssl_engine_unsent_batch_{main_pid}_{worker}.txt")
+
+
+def _end_worker_on_unsent_batch(main_pid: Optional[int]) -> None:
     """Make a batch this worker cannot send end the worker, instead of being dropped.
 
     A worker's batches leave through a multiprocessing queue whose background thread pickles
     them. When that fails (a value in the batch that does not pickle, such as a lambda or an
     open file from a user's transform or collator; shared memory or a socket that cannot be
     had), the thread prints a traceback and drops the batch, and the rank waits for it
-    forever. Ended, the worker is seen gone by the rank's DataLoader within seconds, and the
-    run stops with "DataLoader worker ... exited unexpectedly" after this worker's own line
-    naming the cause. Runs in the worker only (worker_init_fn), before its first batch.
+    forever. Ended, the worker is seen gone by the rank's DataLoader within seconds. For a
+    value that does not pickle (the user's to fix) the worker leaves its line in a file that
+    ``unsent_batch_error`` turns into the rank's UserError (one line, exit code 2); other
+    causes are printed here, and the rank stops with torch's "exited unexpectedly".
+    Runs in the worker only (worker_init_fn), before its first batch.
     """
     import multiprocessing.queues
     import pickle
     import sys
 
     def on_error(error: BaseException, batch: Any) -> None:
+        users = isinstance(error, (pickle.PicklingError, TypeError, AttributeError))
         hint = ("; every value a collator returns must pickle (tensors, numbers, strings, lists and dicts "
-                "of them)" if isinstance(error, (pickle.PicklingError, TypeError, AttributeError)) else "")
-        sys.stderr.write(f"error: loader worker (pid {os.getpid()}) cannot send a batch to its rank: "
-                         f"{type(error).__name__}: {error}{hint}; ending the worker\n")
+                "of them)" if users else "")
+        line = f"loader worker (pid {os.getpid()}) cannot send a batch to its rank: {type(error).__name__}: {error}{hint}"
+        if users and main_pid is not None:
+            try:
+                with open(_unsent_batch_file(main_pid, os.getpid()), "w") as f:
+                    f.write(line)
+                os._exit(1)
+            except OSError:
+                pass
+        sys.stderr.write(f"error: {line}; ending the worker\n")
         sys.stderr.flush()
         os._exit(1)
 
     multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(on_error)
+
+
+_WORKER_EXITED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) exited unexpectedly")
+
+
+def unsent_batch_error(error: BaseException) -> Optional[UserError]:
+    """For torch's "DataLoader worker (pid ...) exited unexpectedly": the UserError of a worker
+    of this process that ended on a batch it could not send (see _end_worker_on_unsent_batch),
+    else None. Reads and removes the worker's file."""
+    match = _WORKER_EXITED.search(str(error)) if isinstance(error, RuntimeError) else None
+    for pid in match.group(1).split(",") if match else ():
+        path = _unsent_batch_file(os.getpid(), int(pid))
+        try:
+            with open(path) as f:
+                line = f.read()
+            os.unlink(path)
+        except OSError:
+            continue
+        return UserError(line)
+    return None
+
+
+def remove_unsent_batch_files(main_pids: List[int]) -> None:
+    """Remove what the workers of the processes ``main_pids`` left for them and they never read
+    (a rank stopped because another rank failed first)."""
+    import glob
+
+    for pid in main_pids:
+        for path in glob.glob(_unsent_batch_file(pid, "*")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def _process_gone(pid: int) -> bool:

@@ -40,11 +40,16 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
     try:
         du.seed_everything(cfg.SEED_VALUE + info.rank)
         return ENGINES.get(cfg.engine_name)(cfg, info)
-    except BaseException:
+    except BaseException as e:
         # when this rank failed: taken before the process group closes below, which makes the
         # other ranks fail too, so the launcher can tell which rank failed first
         global failed_at
         failed_at = time.time()
+        from ssl_engine.data.loader import unsent_batch_error
+
+        user_error = unsent_batch_error(e)  # a loader worker's own account of why it ended
+        if user_error is not None:
+            raise user_error from None
         raise
     finally:
         du.destroy_process_group()

@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -50,6 +51,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def processes_left(marker: str, wait_s: float = 10.0) -> List[int]:
+    """Pids still holding ``marker`` after waiting up to ``wait_s`` for them to end."""
+    deadline = time.monotonic() + wait_s
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return processes_with(marker)
 
 
 def processes_with(marker: str) -> List[int]:

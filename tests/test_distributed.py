@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import REPO, TOOL, free_port, processes_with, run_tool, tool_env
+from conftest import REPO, TOOL, free_port, processes_left, processes_with, run_tool, tool_env
 from ssl_engine.config import compose
 from ssl_engine.data.sampler import PaddedIndex, StatefulDistributedSampler, is_padded
 from ssl_engine.errors import ConfigError
@@ -412,10 +412,7 @@ def test_rank_failure_ends_the_job(tmp_path: Path) -> None:
     assert proc.returncode not in (0, None)
     assert ended - float(stamp.read_text()) < 60
     assert "rank 1 failed first" in proc.stderr and "deliberate failure on rank 1 at iteration 3" in proc.stderr
-    deadline = time.time() + 10
-    while processes_with(marker) and time.time() < deadline:
-        time.sleep(0.2)
-    assert processes_with(marker) == []
+    assert processes_left(marker, 10) == []
     assert [p.name for p in folder.iterdir() if ".tmp." in p.name or p.name.endswith(".lock")] == []
     assert [p.name for p in tmpdir.iterdir() if p.name.startswith("ssl_engine_")] == []
 
@@ -573,10 +570,7 @@ def test_a_stop_reaches_ranks_waiting_for_a_node_that_never_comes(tmp_path: Path
     waited = time.monotonic() - sent
     assert waited < 15 if sig == signal.SIGINT else PREEMPTED_WAIT_S - 1 < waited < PREEMPTED_WAIT_S + 15
     assert f"stopped by {signal.Signals(sig).name} while waiting for the 2 ranks to join" in out
-    deadline = time.monotonic() + 10
-    while processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(marker) == []
+    assert processes_left(marker, 10) == []
 
 
 DEAF_TO_CTRL_C = '''
@@ -618,10 +612,7 @@ def test_ctrl_c_twice_kills_ranks_that_do_not_stop(tmp_path: Path) -> None:
     assert tool.proc.returncode == 130, out[-3000:]
     assert "killing 2 rank(s) still running" in out and "interrupted" in out
     assert "Traceback" not in out and "SIGKILL" not in out
-    deadline = time.monotonic() + 10
-    while processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(marker) == []
+    assert processes_left(marker, 10) == []
 
 
 # ----------------------------------------------------------------------------- startup
@@ -765,10 +756,7 @@ def test_killed_run_leaves_no_forkserver_workers(tmp_path: Path) -> None:
         assert len(workers) >= 3  # the forkserver and two workers
         proc.kill()
         proc.wait()
-        deadline = time.time() + 20
-        while processes_with(marker) and time.time() < deadline:
-            time.sleep(0.2)
-        assert processes_with(marker) == []
+        assert processes_left(marker, 20) == []
     finally:
         if proc.poll() is None:
             proc.kill()

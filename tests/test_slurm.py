@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import processes_with, run_tool
+from conftest import processes_left, run_tool
 from ssl_engine.cli import main
 
 SUPERVISED = [
@@ -220,7 +220,4 @@ def test_local_jobs_complete_and_a_preempted_job_resumes_exactly(tmp_path: Path)
                for n in ("whole", "interrupted")]
     assert metrics[0] == metrics[1]
 
-    deadline = time.time() + 15
-    while processes_with(marker_value) and time.time() < deadline:
-        time.sleep(0.2)
-    assert processes_with(marker_value) == []
+    assert processes_left(marker_value, 15) == []

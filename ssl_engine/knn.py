@@ -1,7 +1,8 @@
 """Weighted k-nearest-neighbour classification of extracted features (InstDisc / VISSL style).
 
-Features are L2-normalised, so the similarity is the cosine. Each test sample's ``topk``
-most similar train samples vote for their label with weight ``exp(similarity / sigma)``;
+With ``l2_norm`` (``NEAREST_NEIGHBOR.L2_NORM_FEATS: true``) features are L2-normalised, so the
+similarity is the cosine; without, it is the raw dot product, as in VISSL. Each test sample's
+``topk`` most similar train samples vote for their label with weight ``exp(similarity / sigma)``;
 classes are ranked by their summed votes and top-k accuracies are read off that ranking.
 The test set is processed ``chunk_size`` samples at a time, so memory holds the train
 features plus one [chunk_size, N_train] similarity block, whatever the test set's size.
@@ -37,11 +38,13 @@ def knn_accuracy(
     chunk_size: int = 1024,
     num_classes: Optional[int] = None,
     device: str = "cpu",
+    l2_norm: bool = True,
 ) -> Dict[int, float]:
     """Top-k accuracies in percent, ``{k: accuracy}`` for each k of ``topk_list``.
 
     ``train_features`` [N, D] and ``test_features`` [M, D] (flattened if not), integer labels
     [N] and [M]. ``topk`` is capped at N. ``num_classes`` defaults to the largest label + 1.
+    ``l2_norm``: compare L2-normalised features (cosine); False: raw dot products.
     """
     train = _as_tensor(np.asarray(train_features).reshape(len(train_features), -1), torch.float32).to(device)
     test = np.asarray(test_features).reshape(len(test_features), -1)
@@ -63,15 +66,18 @@ def knn_accuracy(
     classes = int(num_classes) if num_classes else int(max(int(ytrain.max()), int(ytest.max())) + 1)
     k = min(int(topk), len(train))
     ks = sorted({int(x) for x in topk_list})
-    train = torch.nn.functional.normalize(train, dim=1)
+    if l2_norm:
+        train = torch.nn.functional.normalize(train, dim=1)
     correct = {kk: 0 for kk in ks}
     for start in range(0, len(test), chunk_size):
         q = _as_tensor(test[start:start + chunk_size], torch.float32).to(device)
-        q = torch.nn.functional.normalize(q, dim=1)
-        sim, idx = (q @ train.T).topk(k, dim=1)                       # [c, k]
+        if l2_norm:
+            q = torch.nn.functional.normalize(q, dim=1)
+        sim, idx = (q @ train.T).topk(k, dim=1)                       # [c, k], most similar first
         votes = torch.zeros(len(q), classes, device=device)
-        # weight exp(sim / sigma), scaled by exp(-1 / sigma) so that no sigma overflows float32
-        votes.scatter_add_(1, ytrain[idx], ((sim - 1.0) / sigma).exp())
+        # weight exp(sim / sigma), scaled per test sample by exp(-max sim / sigma), which leaves
+        # its class ranking as it is, so that no sigma (or raw dot product) overflows float32
+        votes.scatter_add_(1, ytrain[idx], ((sim - sim[:, :1]) / sigma).exp())
         ranked = votes.topk(min(max(ks), classes), dim=1).indices.cpu()  # [c, max k]
         hit = ranked == ytest[start:start + chunk_size, None]
         for kk in ks:
@@ -88,6 +94,7 @@ def knn_on_folder(
     chunk_size: int = 1024,
     train_split: str = "train",
     test_split: str = "test",
+    l2_norm: bool = True,
 ) -> Dict[int, float]:
     """:func:`knn_accuracy` on the train and test shards of ``layer`` in a features folder."""
     from ssl_engine.features import load_features
@@ -96,5 +103,5 @@ def knn_on_folder(
     test = load_features(folder, test_split, layer)
     return knn_accuracy(
         train["features"], train["targets"], test["features"], test["targets"],
-        topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size,
+        topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size, l2_norm=l2_norm,
     )

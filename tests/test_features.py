@@ -238,6 +238,21 @@ def test_knn_weighted_vote_on_a_toy_problem() -> None:
     assert knn_accuracy(train, labels, query, np.array([2]), topk=3, sigma=0.1, topk_list=[1, 3])[1] == 0.0
 
 
+def test_knn_without_l2_norm_ranks_by_dot_product_and_never_overflows() -> None:
+    """L2_NORM_FEATS false (VISSL's default) compares raw dot products: a long train vector
+    wins over a closer short one. Huge products (exp(2600 / 0.01)) still vote in float32."""
+    train = np.array([[1.0, 0.0], [3.0, 3.0], [-5.0, 0.0]], dtype=np.float32)  # class 0 is the closest by angle
+    labels = np.array([0, 1, 2])
+    query = np.array([[1.0, 0.1]], dtype=np.float32)
+    cosine = knn_accuracy(train, labels, query, np.array([0]), topk=2, sigma=0.01, topk_list=[1])
+    dot = knn_accuracy(train, labels, query, np.array([0]), topk=2, sigma=0.01, topk_list=[1], l2_norm=False)
+    assert cosine == {1: 100.0} and dot == {1: 0.0}
+    assert knn_accuracy(train, labels, query, np.array([1]), topk=2, sigma=0.01, topk_list=[1], l2_norm=False) == {1: 100.0}
+    huge = knn_accuracy(train * 1000, labels, query * 1000, np.array([1]), topk=3, sigma=0.01, topk_list=[1, 2],
+                        l2_norm=False)
+    assert huge == {1: 100.0, 2: 100.0}
+
+
 def test_knn_is_independent_of_the_test_chunk_size() -> None:
     rng = np.random.RandomState(0)
     centers = rng.randn(4, 16)
@@ -320,7 +335,7 @@ def test_extraction_with_one_and_two_ranks_gives_the_same_features(pretrained: P
     assert temp_files(two) == [] and temp_files(one_rank["folder"]) == []
 
 
-def test_knn_tool_extracts_first_then_reports_and_reads_a_features_path(pretrained: Path, one_rank) -> None:
+def test_knn_tool_extracts_first_then_reports_and_reads_a_features_path(pretrained: Path, one_rank, capsys) -> None:
     line = [l for l in one_rank["stdout"].splitlines() if l.startswith("kNN res5avg")]
     assert line and "101 train / 37 test" in line[0], one_rank["stdout"][-2000:]
     top1 = float(re.search(r"top-1 ([\d.]+)%", line[0]).group(1))
@@ -335,6 +350,14 @@ def test_knn_tool_extracts_first_then_reports_and_reads_a_features_path(pretrain
     results = mod.evaluate(cfg, Path(cfg.NEAREST_NEIGHBOR.FEATURES.PATH))
     assert results["res5avg"][1] == pytest.approx(top1, abs=0.01)
     assert set(results["res5avg"]) == {1, 5}
+    assert "(k=5, sigma=0.1, cosine; " in line[0]  # the digits configs set L2_NORM_FEATS: true
+    # L2_NORM_FEATS false (VISSL's default): raw dot products; a TOPK over the train size is capped, and said
+    cfg.NEAREST_NEIGHBOR.L2_NORM_FEATS, cfg.NEAREST_NEIGHBOR.TOPK = False, 1000
+    dot = mod.evaluate(cfg, Path(cfg.NEAREST_NEIGHBOR.FEATURES.PATH))["res5avg"]
+    train, test = (load_features(one_rank["folder"], s, "res5avg") for s in ("train", "test"))
+    assert dot == knn_accuracy(train["features"], train["targets"], test["features"], test["targets"], topk=101,
+                               sigma=0.1, topk_list=[1, 5], l2_norm=False)
+    assert "(k=101 (TOPK=1000 capped at the train size), sigma=0.1, dot product; " in capsys.readouterr().out
 
 
 def test_knn_tool_reports_a_bad_features_path_in_one_line(tmp_path: Path, capsys) -> None:

@@ -54,7 +54,8 @@ def evaluate(folder: Path, nn_cfg) -> Dict[str, float]:
     train = load_features(folder, "train", LAYER)
     test = load_features(folder, "test", LAYER)
     knn = knn_accuracy(train["features"], train["targets"], test["features"], test["targets"],
-                       topk=nn_cfg.TOPK, sigma=nn_cfg.SIGMA, topk_list=[1, 5], chunk_size=nn_cfg.TEST_CHUNK_SIZE)
+                       topk=nn_cfg.TOPK, sigma=nn_cfg.SIGMA, topk_list=[1, 5], chunk_size=nn_cfg.TEST_CHUNK_SIZE,
+                       l2_norm=bool(nn_cfg.L2_NORM_FEATS))
     return {"knn_top1": knn[1], "knn_top5": knn[5], "linear_top1": linear_probe(train, test),
             "num_train": len(train["inds"]), "num_test": len(test["inds"])}
 

@@ -52,12 +52,16 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
         acc = knn_accuracy(
             train["features"], train["targets"], test["features"], test["targets"],
             topk=nn.TOPK, sigma=nn.SIGMA, topk_list=nn.TOPK_LIST, chunk_size=nn.TEST_CHUNK_SIZE,
+            l2_norm=bool(nn.L2_NORM_FEATS),
         )
         results[layer] = acc
         scores = " | ".join(f"top-{k} {v:.2f}%" for k, v in acc.items())
+        k = min(int(nn.TOPK), len(train["inds"]))
+        capped = f" (TOPK={nn.TOPK} capped at the train size)" if k < int(nn.TOPK) else ""
+        similarity = "cosine" if nn.L2_NORM_FEATS else "dot product"
         print(
-            f"kNN {layer} (k={nn.TOPK}, sigma={nn.SIGMA}; {len(train['inds'])} train / {len(test['inds'])} test, "
-            f"dim {train['features'].shape[1]}): {scores}",
+            f"kNN {layer} (k={k}{capped}, sigma={nn.SIGMA}, {similarity}; {len(train['inds'])} train / "
+            f"{len(test['inds'])} test, dim {train['features'].shape[1]}): {scores}",
             flush=True,
         )
     return results

@@ -103,6 +103,32 @@ def test_unknown_key_in_a_yaml_file_and_in_the_wrong_section(tmp_path):
     assert "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA" in str(e.value)
 
 
+def test_a_yaml_files_stray_keys_can_be_dropped_from_the_command_line(tmp_path):
+    """A shipped VISSL yaml may carry keys VISSL never read (rotnet's METERS.accuracy_list):
+    ``~config.KEY`` (hydra's deletion) drops them without editing the file; the error says so."""
+    path = write_yaml(tmp_path, "stray.yaml", """\
+        # @package _global_
+        config:
+          METERS:
+            name: accuracy_list_meter
+            accuracy_list:
+              topk_values: [1]
+          OPTIMIZER:
+            num_epochs: 3
+        """)
+    with pytest.raises(ConfigError, match=r"drop it with ~config\.METERS\.accuracy_list on the command line"):
+        compose([f"config={path}"])
+    cfg = compose([f"config={path}", "~config.METERS.accuracy_list"])
+    assert cfg.METERS.name == "accuracy_list_meter" and "accuracy_list" not in cfg.METERS
+    assert cfg.OPTIMIZER.num_epochs == 3
+    # deleting a key the defaults have gives back its default
+    assert compose([f"config={path}", "~config.METERS.accuracy_list", "~config.OPTIMIZER.num_epochs"]).OPTIMIZER.num_epochs == 90
+    with pytest.raises(ConfigError, match=r"~config\.METERS\.nope deletes a key the config does not have"):
+        compose([f"config={path}", "~config.METERS.nope"])
+    with pytest.raises(ConfigError, match=r"holds \{'topk_values': \[1\]\}; use ~config\.METERS\.accuracy_list"):
+        compose([f"config={path}", "~config.METERS.accuracy_list=3"])
+
+
 def test_nearest_keys_prefers_siblings_then_same_leaf_elsewhere():
     known = ["config.A.alpha", "config.A.beta", "config.B.gamma", "config.C.gamma"]
     assert nearest_keys("config.A.alpah", known) == ["config.A.alpha"]

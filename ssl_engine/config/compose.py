@@ -124,6 +124,8 @@ def read_defaults_file(path: Path) -> dict:
 
 
 def _split_override(item: str) -> Tuple[str, str]:
+    if item.startswith("~") and "=" not in item:
+        return item, ""  # hydra's deletion: ~config.A.B removes the key (a yaml file's, or a default)
     if "=" not in item:
         raise ConfigError(
             f"override {item!r} is not of the form key=value (e.g. config.OPTIMIZER.num_epochs=2)"
@@ -437,6 +439,14 @@ def _explain_hydra_error(e: Exception) -> str:
     m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
     if m:
         return unknown_key_message(m.group(1), flatten_keys(load_defaults()))
+    m = re.search(r"Could not delete from config\. '([^']+)' does not exist", msg)
+    if m:
+        return f"~{m.group(1)} deletes a key the config does not have; " + unknown_key_message(
+            m.group(1), flatten_keys(load_defaults()), added_hint=False)
+    m = re.search(r"Could not delete from config\. The value of '([^']+)' is (.*) and not (.*)\.$", msg)
+    if m:
+        return (f"~{m.group(1)}={m.group(3)} deletes the key only when it holds that value, and it holds "
+                f"{m.group(2)}; use ~{m.group(1)} to delete it whatever it holds")
     m = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg)
     if m:
         return f"+{m.group(1)}=... adds a key that already exists; set it with {m.group(1)}=... instead"
@@ -467,6 +477,9 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 hydra_overrides.append(f"{key}={option}")
                 continue
             _check_override_grammar(item)
+            if key.startswith("~"):
+                hydra_overrides.append(item)
+                continue
             if is_older_layout_key(key):
                 # not in the defaults, so hydra wants '+' (or, when the experiment file has the
                 # key, no '+'): '++' is both; validate() then moves it as it moves a yaml file's

@@ -478,7 +478,13 @@ def validate(
     merged = walker.walk(root, defaults, "")
     if walker.unknown or walker.wrong:  # every problem of the file at once, not one per attempt
         known = flatten_keys(defaults)
-        raise ConfigError("; ".join([unknown_key_message(k, known, added_hint=False) for k in walker.unknown] + walker.wrong))
+        problems = [unknown_key_message(k, known, added_hint=False) for k in walker.unknown] + walker.wrong
+        if walker.unknown and not any(k.startswith("config.config.") for k in walker.unknown):
+            problems[len(walker.unknown) - 1] += (
+                f" (a yaml file's key: fix it there, declare it on the file's '# added keys:' line, or drop it "
+                f"with ~{walker.unknown[0]} on the command line)"
+            )
+        raise ConfigError("; ".join(problems))
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
     check_ranges(without_unextracted_splits(cfg))

@@ -400,6 +400,39 @@ def test_composite_linear_warmup_then_cosine():
         assert sched(where) == pytest.approx(cosine(where))
 
 
+def test_cosine_warm_restart_half_and_full_waves_as_vissl_computes_them():
+    half = build_param_scheduler(lr_cfg(name="cosine_warm_restart", start_value=4.8, end_value=0.0048,
+                                        restart_interval_length=0.5, wave_type="half", lr_multiplier=0.5), 10)
+    # each half interval falls from its peak to end_value; the peak halves at the restart
+    for where, value in {0.0: 4.8, 0.25: 0.0048 + 0.5 * 4.7952, 0.5: 2.4, 0.75: 0.0048 + 0.5 * 2.3952}.items():
+        assert half(where) == pytest.approx(value), where
+    assert half(0.5 - 1e-9) == pytest.approx(0.0048, abs=1e-6)
+    full = build_param_scheduler(lr_cfg(name="cosine_warm_restart", start_value=4.8, end_value=0.0048,
+                                        restart_interval_length=0.25, wave_type="full", is_adaptive=True), 10)
+    # a whole cosine of period 0.5; adaptive peaks read the plain cosine one interval past each
+    # restart (restarts at 0 and 0.25, 0.75): its first peak is already below start_value
+    plain = lambda w: 0.0048 + 0.5 * 4.7952 * (1 + math.cos(math.pi * w))  # noqa: E731
+    peaks = [plain(0.25), plain(0.5), plain(1.0)]
+    assert full(0.0) == pytest.approx(peaks[0])
+    assert full(0.25) == pytest.approx(0.0048)                  # the trough, where the second peak takes over
+    assert full(0.5) == pytest.approx(peaks[1])
+    assert full(0.75) == pytest.approx(0.0048)
+    assert full(0.9) == pytest.approx(0.0048 + 0.5 * (peaks[2] - 0.0048) * (1 + math.cos(math.pi * 0.9 / 0.25)))
+    # VISSL's integration-test layout: a linear warm-up, then the restarts, in a composite
+    warm = build_param_scheduler(lr_cfg(
+        name="composite", update_interval="step", lengths=[0.1, 0.9], interval_scaling=["rescaled", "rescaled"],
+        schedulers=[{"name": "linear", "start_value": 0.6, "end_value": 4.8},
+                    {"name": "cosine_warm_restart", "start_value": 4.8, "end_value": 0.0048, "wave_type": "half",
+                     "restart_interval_length": 0.5}]), 10)
+    assert warm(0.05) == pytest.approx(2.7) and warm(0.1) == pytest.approx(4.8) and warm(0.55) == pytest.approx(4.8)
+    with pytest.raises(UserError, match=r"wave_type='sine' must be one of half, full"):
+        build_param_scheduler(lr_cfg(name="cosine_warm_restart", start_value=1.0, end_value=0.0,
+                                     restart_interval_length=0.5, wave_type="sine"), 10)
+    with pytest.raises(UserError, match=r"restart_interval_length=0.0 must be in \(0, 1\]"):
+        build_param_scheduler(lr_cfg(name="cosine_warm_restart", start_value=1.0, end_value=0.0,
+                                     restart_interval_length=0.0), 10)
+
+
 def test_schedule_errors_are_user_errors():
     with pytest.raises(UserError, match="cosine"):  # lists the valid names
         build_param_scheduler(lr_cfg(name="cosin"), 10)

@@ -6,6 +6,7 @@ works for any number of epochs or iterations. The schedule classes are classy_vi
 those objects, and implements VISSL's automatic learning-rate scaling with batch size.
 """
 
+import bisect
 import copy
 import logging
 import math
@@ -38,9 +39,64 @@ _VALUE_KEYS: Dict[str, Tuple[str, ...]] = {
     "multistep": ("values",),
     "linear": ("start_value", "end_value"),
     "cosine": ("start_value", "end_value"),
+    "cosine_warm_restart": ("start_value", "end_value"),
     "polynomial": ("base_value",),
     "step_with_fixed_gamma": ("base_value",),
 }
+
+
+WAVE_TYPES = ("half", "full")
+
+
+class CosineWarmRestartParamScheduler(ParamScheduler):
+    """Cosine annealing with warm restarts (SGDR), VISSL's ``cosine_warm_restart`` schedule.
+
+    Training progress ``where`` in [0, 1) is cut into intervals of ``restart_interval_length``
+    (a fraction of training). ``half``: in each interval the value falls along half a cosine
+    from the interval's peak to ``end_value``, then jumps back up. ``full``: a whole cosine of
+    period twice the interval, down to ``end_value`` and back up; its peak changes where the
+    value bottoms out. The first peak is ``start_value``; the one after ``k`` restarts is
+    ``start_value * lr_multiplier ** k``, or with ``is_adaptive`` the value a plain cosine from
+    ``start_value`` to ``end_value`` would have there, so the peaks follow that one curve.
+    The values are VISSL's for the same keys, so its configs train with the same learning rates.
+    """
+
+    def __init__(
+        self,
+        start_value: float,
+        end_value: float,
+        restart_interval_length: float,
+        wave_type: str = "half",
+        lr_multiplier: float = 1.0,
+        is_adaptive: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < restart_interval_length <= 1.0:
+            raise ValueError(f"restart_interval_length={restart_interval_length} must be in (0, 1]")
+        if wave_type not in WAVE_TYPES:
+            raise ValueError(f"wave_type={wave_type!r} must be one of {', '.join(WAVE_TYPES)}")
+        self.end_value = end_value
+        self.interval = restart_interval_length
+        self.wave_type = wave_type
+        # where each peak starts: every interval (half); at 0, then every second interval from
+        # the first trough on (full)
+        first, every = (self.interval, self.interval) if wave_type == "half" else (self.interval, 2 * self.interval)
+        self.restarts = [0.0]
+        while first + every * (len(self.restarts) - 1) < 1.0:
+            self.restarts.append(first + every * (len(self.restarts) - 1))
+        # adaptive: the plain cosine at the restart (half), or one interval past it (full, as
+        # VISSL computes it: so even the first peak of a full wave is below start_value)
+        offset = 0.0 if wave_type == "half" else self.interval
+        self.peaks = [
+            end_value + 0.5 * (start_value - end_value) * (1.0 + math.cos(math.pi * (r + offset)))
+            if is_adaptive else start_value * lr_multiplier ** k
+            for k, r in enumerate(self.restarts)
+        ]
+
+    def __call__(self, where: float) -> float:
+        k = max(0, bisect.bisect_right(self.restarts, where) - 1)
+        phase = (where % self.interval) / self.interval if self.wave_type == "half" else where / self.interval
+        return self.end_value + 0.5 * (self.peaks[k] - self.end_value) * (1.0 + math.cos(math.pi * phase))
 
 
 def scheduler_names() -> List[str]:
@@ -108,6 +164,16 @@ def build_param_scheduler(cfg: Mapping[str, Any], num_epochs: int, where: str = 
                 values=values,
                 num_updates=num_epochs,
                 milestones=[int(m) for m in milestones] if milestones is not None else None,
+            )
+        if name == "cosine_warm_restart":
+            return CosineWarmRestartParamScheduler(
+                start_value=_number(_require(cfg, "start_value", where), f"{where}.start_value"),
+                end_value=_number(_require(cfg, "end_value", where), f"{where}.end_value"),
+                restart_interval_length=_number(
+                    _require(cfg, "restart_interval_length", where), f"{where}.restart_interval_length"),
+                wave_type=str(cfg.get("wave_type") or "half"),
+                lr_multiplier=_number(cfg.get("lr_multiplier", 1.0), f"{where}.lr_multiplier"),
+                is_adaptive=bool(cfg.get("is_adaptive", False)),
             )
         if name == "composite":
             return _build_composite(cfg, num_epochs, where)

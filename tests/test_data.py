@@ -488,6 +488,28 @@ def test_transforms_by_name_and_vissl_transforms() -> None:
     assert [v.size for v in mc(img)] == [(16, 16)] * 2 + [(8, 8)] * 3
 
 
+def test_img_rotate_pil_rotates_by_a_drawn_quarter_turn_and_makes_it_the_label() -> None:
+    """RotNet's pretext: the label says which of num_angles rotations the image got, replacing
+    the data set's label; untouched entries keep theirs."""
+    img = Image.fromarray(np.arange(4 * 4 * 3, dtype=np.uint8).reshape(4, 4, 3))  # no rotation leaves it as it is
+    wrapper = SSLTransformsWrapper([{"name": "ImgRotatePil"}])
+    seen = set()
+    for seed in range(40):
+        torch.manual_seed(seed)
+        out = wrapper({"data": [img], "label": [7], "data_valid": [1], "data_idx": [seed]})
+        (rotated,), (k,) = out["data"], out["label"]
+        assert np.array_equal(np.asarray(rotated), np.rot90(np.asarray(img), k)), k  # k quarter turns, counter-clockwise
+        seen.add(k)
+    assert seen == {0, 1, 2, 3}
+    two = SSLTransformsWrapper([{"name": "ImgRotatePil", "num_angles": 2, "indices": [1]}])
+    out = two({"data": [img, img], "label": [5, 6], "data_valid": [1, 1], "data_idx": [0, 0]})
+    assert out["data"][0] is img and out["label"][0] == 5 and out["label"][1] in (0, 1)
+    unlabelled = wrapper({"data": [img], "label": [], "data_valid": [1], "data_idx": [0]})  # no LABEL_SOURCES
+    assert unlabelled["label"][0] in (0, 1, 2, 3)
+    with pytest.raises(UserError, match=r"num_rotations_per_img=4: only 1 is supported"):
+        build_transform({"name": "ImgRotatePil", "num_rotations_per_img": 4})
+
+
 def test_transform_errors_are_user_errors() -> None:
     with pytest.raises(UserError, match=r"TRANSFORMS\[0\].*unknown transform 'RandomResizeCrop'.*RandomResizedCrop"):
         SSLTransformsWrapper([{"name": "RandomResizeCrop", "size": 4}], "config.DATA.TRAIN.TRANSFORMS")

@@ -346,3 +346,26 @@ def test_extraction_asks_a_model_only_prepare_only_of_tasks_that_take_it():
     assert model_only(OldUserTask.__new__(OldUserTask)) == {}
     assert model_only(ForwardingUserTask.__new__(ForwardingUserTask)) == {"data": False}
     assert model_only(SelfSupervisionTask.__new__(SelfSupervisionTask)) == {"data": False}
+
+
+ROTNET = [
+    "config=quick/supervised_digits", "config.OPTIMIZER.num_epochs=1", "config.DATA.NUM_DATALOADER_WORKERS=0",
+    "config.DATA.TRAIN.DATA_LIMIT=64", "config.DATA.TEST.DATA_LIMIT=32",
+    "config.DATA.TRAIN.TRANSFORMS=[{name: ImgRotatePil},{name: ToTensor}]",
+    "config.DATA.TEST.TRANSFORMS=[{name: ImgRotatePil},{name: ToTensor}]",
+    "config.METERS.accuracy_list_meter.topk_values=[1]",
+]
+
+
+def test_rotnet_trains_on_the_rotation_labels_img_rotate_pil_sets(tmp_path: Path) -> None:
+    """VISSL's RotNet: ImgRotatePil's rotation index is the label, so a 4-way head fits the
+    digits data (10 classes) and a 3-way head is refused before launch, naming the transform."""
+    r = run_tool(ROTNET + ["config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,4]}]]", f"config.CHECKPOINT.DIR={tmp_path / 'ok'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    test = [json.loads(line) for line in (tmp_path / "ok" / "metrics.json").read_text().splitlines()][-1]
+    assert 0.0 <= test["test_accuracy_list_meter"]["top_1"]["0"] <= 100.0  # a digit label (up to 9) would not fit
+    r = run_tool(ROTNET + ["config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,3]}]]", f"config.CHECKPOINT.DIR={tmp_path / 'bad'}"])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "has label 3 (set by ImgRotatePil in config.DATA.TRAIN.TRANSFORMS); make that head output at least 4 classes "
+        "(for mlp/eval_mlp the last entry of its dims)")

@@ -2,8 +2,8 @@
 
 Every class of ``torchvision.transforms`` is registered in ``TRANSFORMS`` under its own name,
 next to VISSL's PIL transforms (``ImgReplicatePil``, ``ImgPilColorDistortion``,
-``ImgPilGaussianBlur``, ``ImgPilToMultiCrop``, ``ImgPilRandomSolarize``). A config lists them as
-VISSL does::
+``ImgPilGaussianBlur``, ``ImgPilToMultiCrop``, ``ImgPilRandomSolarize``, and ``ImgRotatePil``,
+which also sets the sample's label). A config lists them as VISSL does::
 
     TRANSFORMS:
       - name: ImgReplicatePil
@@ -25,10 +25,11 @@ what makes augmentation independent of workers and resumption (DESIGN rule 8).
 import copy
 import enum
 import inspect
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torchvision.transforms as T
+import torchvision.transforms.functional as TF
 from PIL import Image, ImageFilter, ImageOps
 
 from ssl_engine.errors import UserError
@@ -79,6 +80,37 @@ class ImgReplicatePil:
 
     def __repr__(self) -> str:
         return f"ImgReplicatePil(num_times={self.num_times})"
+
+
+class LabelledImage(NamedTuple):
+    """What a transform that decides the sample's label returns (``sets_label = True``): the
+    image, and the label that replaces its data entry's label (RotNet's rotation index)."""
+
+    image: Any
+    label: int
+
+
+@TRANSFORMS.register("ImgRotatePil")
+class ImgRotatePil:
+    """RotNet's pretext: rotate the image by one of ``num_angles`` angles evenly spaced in
+    [0, 360) (0, 90, 180, 270 by default), drawn per sample; the angle's index becomes the label."""
+
+    sets_label = True
+
+    def __init__(self, num_angles: int = 4, num_rotations_per_img: int = 1) -> None:
+        if int(num_angles) < 1:
+            raise ValueError(f"num_angles must be >= 1, got {num_angles}")
+        if int(num_rotations_per_img) != 1:
+            raise ValueError(f"num_rotations_per_img={num_rotations_per_img}: only 1 is supported (as in VISSL)")
+        self.num_angles = int(num_angles)
+        self.num_labels = self.num_angles  # labels 0..num_angles-1, for the check against the heads
+
+    def __call__(self, img: Any) -> LabelledImage:
+        k = int(torch.randint(self.num_angles, ()).item())
+        return LabelledImage(TF.rotate(img, 360.0 * k / self.num_angles), k)
+
+    def __repr__(self) -> str:
+        return f"ImgRotatePil(num_angles={self.num_angles})"
 
 
 @TRANSFORMS.register("ImgPilColorDistortion")
@@ -267,6 +299,15 @@ class SSLTransformsWrapper:
     def __len__(self) -> int:
         return len(self.transforms)
 
+    def label_setters(self) -> Tuple[Optional[int], bool]:
+        """(the largest label the ``sets_label`` transforms give, or None without one; whether one
+        of them relabels every data entry, so that the data set's own labels never reach a batch)."""
+        setters = [(t, idx) for _, t, idx in self.transforms if getattr(t, "sets_label", False)]
+        if not setters:
+            return None, False
+        top = max(int(t.num_labels) - 1 for t, _ in setters)
+        return top, any(idx is None for _, idx in setters)
+
     @property
     def draws_randomness(self) -> bool:
         """False when every transform is deterministic: the dataset then skips per-sample seeding."""
@@ -296,6 +337,9 @@ class SSLTransformsWrapper:
                         f"{self.config_key}[{pos}] ({name}) failed on data entry {i} "
                         f"({type(data[i]).__name__}): {exc}"
                     ) from exc
+            if getattr(transform, "sets_label", False):
+                self._set_labels(sample, outputs)
+                continue
             if any(isinstance(o, (list, tuple)) for o in outputs.values()):
                 new_data: List[Any] = []
                 counts: List[int] = []
@@ -318,6 +362,18 @@ class SSLTransformsWrapper:
                 for i, out in outputs.items():
                     data[i] = out
         return sample
+
+
+    @staticmethod
+    def _set_labels(sample: Dict[str, Any], outputs: Dict[int, Any]) -> None:
+        """Put the images of a ``sets_label`` transform in place and its labels in ``label``,
+        one per data entry (entries it did not touch keep theirs, or the sample's only one)."""
+        data = sample["data"]
+        old = list(sample.get("label") or [])
+        labels = [old[i] if len(old) == len(data) else (old[0] if len(old) == 1 else -1) for i in range(len(data))]
+        for i, out in outputs.items():
+            data[i], labels[i] = out.image, int(out.label)
+        sample["label"] = labels
 
 
 def build_transforms(cfg: Any, split: str) -> SSLTransformsWrapper:

@@ -31,9 +31,17 @@ def _classes(n: int) -> str:
     return f"{n} class" if n == 1 else f"{n} classes"
 
 
+def _label_origin(cfg: Any, split: str) -> str:
+    """Where ``split``'s labels come from, for the message: a transform that sets them, else LABEL_SOURCES."""
+    setters = [t.get("name") for t in cfg.DATA[split].get("TRANSFORMS", []) or []
+               if isinstance(t, dict) and t.get("name") == "ImgRotatePil"]
+    if setters:
+        return f"set by {setters[0]} in config.DATA.{split}.TRANSFORMS"
+    return f"LABEL_SOURCES {list(cfg.DATA[split].get('LABEL_SOURCES', []) or [])}"
+
+
 def _message(cfg: Any, split: str, label: int, where: str, size: int, scored_by: str) -> str:
     """The one line for a label outside a head's classes (``label`` the largest, or a negative one)."""
-    sources = list(cfg.DATA[split].get("LABEL_SOURCES", []) or [])
     fix = (
         f"make that head output at least {_classes(label + 1)} (for mlp/eval_mlp the last entry of its dims)"
         if label >= size
@@ -41,16 +49,21 @@ def _message(cfg: Any, split: str, label: int, where: str, size: int, scored_by:
     )
     return (
         f"{where}, scored by {scored_by}, outputs {_classes(size)} (labels 0..{size - 1}), but "
-        f"config.DATA.{split} has label {label} (LABEL_SOURCES {sources}); {fix}"
+        f"config.DATA.{split} has label {label} ({_label_origin(cfg, split)}); {fix}"
     )
 
 
 def max_label(dataset: Any, ignore_index: Optional[int] = None) -> Optional[int]:
     """The largest integer label of ``dataset`` (every label source), leaving out ``ignore_index``;
-    None when the dataset does not say (no labels, or not integer class indices)."""
+    None when the dataset does not say (no labels, or not integer class indices). Labels that a
+    transform sets (ImgRotatePil's rotation index) count instead of, or besides, the sources'."""
+    transforms = getattr(dataset, "transforms", None)
+    set_top, all_set = transforms.label_setters() if hasattr(transforms, "label_setters") else (None, False)
+    if all_set:
+        return set_top  # a transform (ImgRotatePil) gives every entry its label
     get = getattr(dataset, "get_labels", None)
     if get is None:
-        return None
+        return set_top
     n_sources = len(getattr(dataset, "label_arrays", [])) if getattr(dataset, "label_type", "standard") == "standard" else 1
     top: Optional[int] = None
     for j in range(n_sources):
@@ -61,7 +74,7 @@ def max_label(dataset: Any, ignore_index: Optional[int] = None) -> Optional[int]
             labels = labels[labels != ignore_index]
         if labels.size:
             top = int(labels.max()) if top is None else max(top, int(labels.max()))
-    return top
+    return top if set_top is None else max(set_top, top if top is not None else set_top)
 
 
 def label_scorers(cfg: Any, split: str, loss: Any, meters: Sequence[Any],

@@ -354,16 +354,18 @@ ROTNET = [
     "config.DATA.TRAIN.TRANSFORMS=[{name: ImgRotatePil},{name: ToTensor}]",
     "config.DATA.TEST.TRANSFORMS=[{name: ImgRotatePil},{name: ToTensor}]",
     "config.METERS.accuracy_list_meter.topk_values=[1]",
+    "config.DATA.TRAIN.LABEL_SOURCES=[]", "config.DATA.TEST.LABEL_SOURCES=[]",  # as VISSL's rotnet yaml: none
 ]
 
 
 def test_rotnet_trains_on_the_rotation_labels_img_rotate_pil_sets(tmp_path: Path) -> None:
-    """VISSL's RotNet: ImgRotatePil's rotation index is the label, so a 4-way head fits the
-    digits data (10 classes) and a 3-way head is refused before launch, naming the transform."""
+    """VISSL's RotNet: ImgRotatePil's rotation index is the label, so the loss and meter have
+    labels without LABEL_SOURCES, a 4-way head fits, and a 3-way head is refused before launch,
+    naming the transform."""
     r = run_tool(ROTNET + ["config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,4]}]]", f"config.CHECKPOINT.DIR={tmp_path / 'ok'}"])
     assert r.returncode == 0, r.stderr[-3000:]
     test = [json.loads(line) for line in (tmp_path / "ok" / "metrics.json").read_text().splitlines()][-1]
-    assert 0.0 <= test["test_accuracy_list_meter"]["top_1"]["0"] <= 100.0  # a digit label (up to 9) would not fit
+    assert 0.0 <= test["test_accuracy_list_meter"]["top_1"]["0"] <= 100.0
     r = run_tool(ROTNET + ["config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,3]}]]", f"config.CHECKPOINT.DIR={tmp_path / 'bad'}"])
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith(

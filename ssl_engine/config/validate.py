@@ -670,7 +670,11 @@ def check_labels_given(cfg: AttrDict, splits: List[str], loss: Any, meters: List
         d = cfg.DATA[split]
         if d.LABEL_SOURCES or str(d.get("LABEL_TYPE", "standard")) != "standard":
             continue
+        from ssl_engine.data.transforms import labelling_transform
         from ssl_engine.models.label_range import label_scorers
+
+        if labelling_transform(d.get("TRANSFORMS", []), every_entry=True):
+            continue  # a transform gives each sample its label (ImgRotatePil)
 
         users = [f"config.LOSS.name={cfg.LOSS.name}" if s is loss else f"the meter {s.name}"
                  for s in label_scorers(cfg, split, loss, meters, flag="needs_labels")]

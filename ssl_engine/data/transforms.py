@@ -376,6 +376,18 @@ class SSLTransformsWrapper:
         sample["label"] = labels
 
 
+def labelling_transform(specs: Any, every_entry: bool = False) -> Optional[str]:
+    """The name of the first transform in a TRANSFORMS list that sets labels (``sets_label``,
+    e.g. ImgRotatePil), or None; with ``every_entry`` only one that applies to every data entry
+    (no ``indices``), so that the data set's own labels never reach a batch."""
+    for spec in specs or []:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or spec["name"] not in TRANSFORMS:
+            continue
+        if getattr(TRANSFORMS.get(spec["name"]), "sets_label", False) and not (every_entry and spec.get("indices") is not None):
+            return spec["name"]
+    return None
+
+
 def build_transforms(cfg: Any, split: str) -> SSLTransformsWrapper:
     """The transform pipeline of ``cfg.DATA[split].TRANSFORMS``."""
     specs = cfg.get("DATA", {}).get(split, {}).get("TRANSFORMS", []) or []

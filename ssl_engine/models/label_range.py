@@ -33,10 +33,11 @@ def _classes(n: int) -> str:
 
 def _label_origin(cfg: Any, split: str) -> str:
     """Where ``split``'s labels come from, for the message: a transform that sets them, else LABEL_SOURCES."""
-    setters = [t.get("name") for t in cfg.DATA[split].get("TRANSFORMS", []) or []
-               if isinstance(t, dict) and t.get("name") == "ImgRotatePil"]
-    if setters:
-        return f"set by {setters[0]} in config.DATA.{split}.TRANSFORMS"
+    from ssl_engine.data.transforms import labelling_transform
+
+    setter = labelling_transform(cfg.DATA[split].get("TRANSFORMS", []))
+    if setter:
+        return f"set by {setter} in config.DATA.{split}.TRANSFORMS"
     return f"LABEL_SOURCES {list(cfg.DATA[split].get('LABEL_SOURCES', []) or [])}"
 
 

@@ -109,8 +109,12 @@ def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
             )
         # One node: the ranks meet through a file in a fresh folder, tcp or file alike. A free
         # port found now would stay free only until rank 0 binds it seconds later, and another
-        # job starting on the node could take it in between (its ranks would join ours).
-        folder = tempfile.mkdtemp(prefix="ssl_engine_rdzv_")
+        # job starting on the node could take it in between (its ranks would join ours). The
+        # file is locked with flock, which a cluster's TMPDIR on Lustre or NFS may not offer:
+        # /dev/shm (a local tmpfs) comes first.
+        shm = "/dev/shm"
+        local = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+        folder = tempfile.mkdtemp(prefix="ssl_engine_rdzv_", dir=local)
         return f"file://{os.path.join(folder, 'rendezvous')}", folder
     host, _, port = str(d.RUN_ID).rpartition(":")
     if not host or not port.isdigit():
@@ -297,13 +301,16 @@ class RankGroup:
         """Poll until every rank has ended; on the first failure stop the others."""
         while True:
             alive = self.alive()
-            if self.cause is None:
+            if self.cause is None and not self._interrupts:
+                # (after a Ctrl-C every rank was asked to stop: one that ended, with 130 or with the
+                # error of a peer gone, is no failure to stop the others for; they keep their time
+                # to stop, a checkpoint write to finish, until a second Ctrl-C)
                 failed = [i for i, p in enumerate(self.procs) if p.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)]
                 if failed:
                     self.cause = self._first_failure(failed)
                     self._signalled_at = time.monotonic()
                     self.send(signal.SIGINT)  # unwinds python in the survivors; a rank blocked in C gets SIGKILL
-            elif alive and time.monotonic() - self._signalled_at > KILL_GRACE_SECONDS:
+            elif self.cause is not None and alive and time.monotonic() - (self._signalled_at or 0.0) > KILL_GRACE_SECONDS:
                 self._kill_alive()
             if alive and self._interrupts and self._stop_interrupted():
                 continue
@@ -375,8 +382,7 @@ class RankGroup:
     def _report(self) -> int:
         """The node's exit code; prints the failing rank's traceback (or raises its UserError)."""
         codes = [p.exitcode for p in self.procs]
-        stopped = (0, INTERRUPTED_EXIT_CODE, -signal.SIGKILL)  # unwound, or killed after the Ctrl-C: not failures
-        if self._interrupts and any(codes) and all(c in stopped for c in codes):
+        if self._interrupts and any(codes):  # what ranks did after a Ctrl-C is its consequence
             sys.stderr.write("interrupted\n")
             return INTERRUPTED_EXIT_CODE
         if self.cause is None:

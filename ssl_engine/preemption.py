@@ -56,8 +56,9 @@ def clear() -> None:
 
 # A preemption signal that reaches ranks while they meet (the launcher's own SIGTERM, forwarded
 # as they start) is kept: once they have met, the first step writes the checkpoint. Only ranks
-# still waiting this long after it give up on the meeting, which might never happen.
-PREEMPTED_WAIT_S = 30.0
+# still waiting this long after it give up on the meeting, which might never happen (before
+# SLURM's default KillWait of 30 s turns the signal into a SIGKILL).
+PREEMPTED_WAIT_S = 20.0
 
 _PREEMPTION_SIGNALS = (int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGUSR2))  # USR2: submitit's
 
@@ -112,7 +113,7 @@ def stop_while_blocked(waiting_for: str, preempted_wait_s: float = PREEMPTED_WAI
                     log.warning("%s while waiting for %s: the run checkpoints at its first step once they have "
                                 "joined, or stops in %.0f s if they have not", signal.Signals(signum).name,
                                 waiting_for, preempted_wait_s)
-            if preempted is not None and time.monotonic() >= preempted[1]:
+            if preempted is not None and time.monotonic() >= preempted[1] and not done.is_set():
                 stop(preempted[0], PREEMPTED_EXIT_CODE)
 
     watcher = threading.Thread(target=watch, name="stop-while-blocked", daemon=True)

@@ -118,6 +118,8 @@ def test_a_yaml_files_stray_keys_can_be_dropped_from_the_command_line(tmp_path):
         """)
     with pytest.raises(ConfigError, match=r"drop it with ~config\.METERS\.accuracy_list on the command line"):
         compose([f"config={path}"])
+    with pytest.raises(ConfigError, match=r"~ deletes one key of the config"):
+        compose([f"config={path}", "~config"])  # hydra would drop the whole experiment
     cfg = compose([f"config={path}", "~config.METERS.accuracy_list"])
     assert cfg.METERS.name == "accuracy_list_meter" and "accuracy_list" not in cfg.METERS
     assert cfg.OPTIMIZER.num_epochs == 3

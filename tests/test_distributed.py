@@ -573,6 +573,48 @@ def test_a_stop_reaches_ranks_waiting_for_a_node_that_never_comes(tmp_path: Path
     assert processes_left(marker, 10) == []
 
 
+SLOW_TO_STOP = '''
+import os, time
+from pathlib import Path
+from ssl_engine.registry import TRAIN_STEPS
+
+@TRAIN_STEPS.register("slow_to_stop_on_rank1")
+def slow_to_stop_on_rank1(task):
+    rank = os.environ["RANK"]
+    Path(os.environ["STARTED_STAMP"] + rank).touch()
+    try:
+        while True:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        if rank == "1":  # as a rank finishing a long checkpoint write
+            time.sleep(12)
+            Path(os.environ["STOPPED_STAMP"]).touch()
+        raise
+'''
+
+
+def test_one_ctrl_c_lets_every_rank_finish_stopping(tmp_path: Path) -> None:
+    """Rank 0 stops at once, rank 1 needs 12 s (more than KILL_GRACE_SECONDS): after one Ctrl-C
+    the launcher waits for it, instead of counting rank 0's exit as a failure and killing rank 1."""
+    (tmp_path / "slow.py").write_text(SLOW_TO_STOP)
+    started, stopped = tmp_path / "started", tmp_path / "stopped"
+    tool = _Tool(SUPERVISED + per_rank(2) + [
+        f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{tmp_path / 'slow.py'}]",
+        "config.TRAINER.TRAIN_STEP_NAME=slow_to_stop_on_rank1",
+    ], f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}", {"STARTED_STAMP": str(started), "STOPPED_STAMP": str(stopped)})
+    try:
+        deadline = time.monotonic() + 240
+        while not all(Path(f"{started}{r}").exists() for r in (0, 1)):
+            assert tool.proc.poll() is None and time.monotonic() < deadline, tool.end(0)[-3000:]
+            time.sleep(0.1)
+        tool.proc.send_signal(signal.SIGINT)
+    finally:
+        out = tool.end(timeout=60)
+    assert tool.proc.returncode == 130, out[-3000:]
+    assert stopped.exists(), f"rank 1 was killed before it had stopped:\n{out[-3000:]}"
+    assert out.rstrip().endswith("interrupted") and "Traceback" not in out
+
+
 DEAF_TO_CTRL_C = '''
 import os, signal, time
 from pathlib import Path

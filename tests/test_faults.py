@@ -586,8 +586,8 @@ UNPICKLABLE_COLLATOR = '''\
 '''
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,workers", [(1, 3), (2, 1)])
+def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path, ranks, workers):
     """multiprocessing's queue thread drops a batch that fails to pickle after printing a
     traceback, and the rank waited for it forever; now the worker ends and the run stops in
     seconds with the worker's line naming the value, as a user error: one line, exit code 2."""
@@ -596,7 +596,7 @@ def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path, ranks):
     tmpdir.mkdir()
     try:
         proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.OPTIMIZER.num_epochs=1",
-                                "config.DATA.NUM_DATALOADER_WORKERS=1", f"config.USER_MODULES=[{module}]",
+                                f"config.DATA.NUM_DATALOADER_WORKERS={workers}", f"config.USER_MODULES=[{module}]",
                                 "config.DATA.TRAIN.COLLATE_FUNCTION=with_a_lambda",
                                 f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}"], env={"TMPDIR": str(tmpdir)},
                         timeout=150)
@@ -608,4 +608,4 @@ def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path, ranks):
     assert "cannot send a batch to its rank" in last
     assert "with_a_lambda.<locals>.<lambda>" in last and "must pickle" in last
     assert "Traceback" not in proc.stderr and "exited unexpectedly" not in proc.stderr
-    assert not list(tmpdir.glob("ssl_engine_unsent_batch_*"))  # read, or removed by the launcher
+    assert not list(tmpdir.glob("ssl_engine_unsent_batch_*"))  # every worker's line: read, or removed

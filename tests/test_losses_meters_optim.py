@@ -428,7 +428,10 @@ def test_cosine_warm_restart_half_and_full_waves_as_vissl_computes_them():
     with pytest.raises(UserError, match=r"wave_type='sine' must be one of half, full"):
         build_param_scheduler(lr_cfg(name="cosine_warm_restart", start_value=1.0, end_value=0.0,
                                      restart_interval_length=0.5, wave_type="sine"), 10)
-    with pytest.raises(UserError, match=r"restart_interval_length=0.0 must be in \(0, 1\]"):
+    longer = build_param_scheduler(lr_cfg(name="cosine_warm_restart", start_value=1.0, end_value=0.0,
+                                          restart_interval_length=2.0), 10)  # one partial wave, as in VISSL
+    assert longer(0.0) == pytest.approx(1.0) and longer(0.999) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.999 / 2)))
+    with pytest.raises(UserError, match=r"restart_interval_length=0.0 must be > 0"):
         build_param_scheduler(lr_cfg(name="cosine_warm_restart", start_value=1.0, end_value=0.0,
                                      restart_interval_length=0.0), 10)
 

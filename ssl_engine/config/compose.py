@@ -125,6 +125,11 @@ def read_defaults_file(path: Path) -> dict:
 
 def _split_override(item: str) -> Tuple[str, str]:
     if item.startswith("~") and "=" not in item:
+        if not item.startswith("~config."):
+            raise ConfigError(
+                f"override {item!r} would delete {item[1:] or 'nothing'}; ~ deletes one key of the config, "
+                f"e.g. ~config.METERS.accuracy_list"
+            )
         return item, ""  # hydra's deletion: ~config.A.B removes the key (a yaml file's, or a default)
     if "=" not in item:
         raise ConfigError(

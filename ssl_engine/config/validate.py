@@ -480,9 +480,11 @@ def validate(
         known = flatten_keys(defaults)
         problems = [unknown_key_message(k, known, added_hint=False) for k in walker.unknown] + walker.wrong
         if walker.unknown and not any(k.startswith("config.config.") for k in walker.unknown):
+            many = len(walker.unknown) > 1
             problems[len(walker.unknown) - 1] += (
-                f" (a yaml file's key: fix it there, declare it on the file's '# added keys:' line, or drop it "
-                f"with ~{walker.unknown[0]} on the command line)"
+                f" ({'keys' if many else 'a key'} of a yaml file: fix {'them' if many else 'it'} there, declare "
+                f"{'them' if many else 'it'} on the file's '# added keys:' line, or drop {'them' if many else 'it'} "
+                f"with {' '.join('~' + k for k in walker.unknown)} on the command line)"
             )
         raise ConfigError("; ".join(problems))
     cfg = merged["config"]

@@ -101,18 +101,18 @@ _WORKER_EXITED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) ex
 def unsent_batch_error(error: BaseException) -> Optional[UserError]:
     """For torch's "DataLoader worker (pid ...) exited unexpectedly": the UserError of a worker
     of this process that ended on a batch it could not send (see _end_worker_on_unsent_batch),
-    else None. Reads and removes the worker's file."""
+    else None. Removes every such file of this process's workers."""
     match = _WORKER_EXITED.search(str(error)) if isinstance(error, RuntimeError) else None
+    found: Optional[UserError] = None
     for pid in match.group(1).split(",") if match else ():
-        path = _unsent_batch_file(os.getpid(), int(pid))
         try:
-            with open(path) as f:
-                line = f.read()
-            os.unlink(path)
+            with open(_unsent_batch_file(os.getpid(), int(pid))) as f:
+                found = UserError(f.read())
+            break
         except OSError:
             continue
-        return UserError(line)
-    return None
+    remove_unsent_batch_files([os.getpid()])  # the other workers' lines say the same
+    return found
 
 
 def remove_unsent_batch_files(main_pids: List[int]) -> None:

@@ -1,6 +1,7 @@
 """The per-process entry point: set up the process, run the named engine, tear down."""
 
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -53,6 +54,9 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
         raise
     finally:
         du.destroy_process_group()
+        from ssl_engine.data.loader import remove_unsent_batch_files
+
+        remove_unsent_batch_files([os.getpid()])  # lines of workers this rank never read (it stopped first)
 
 
 failed_at: Optional[float] = None  # see run_engine

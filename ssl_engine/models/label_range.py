@@ -35,10 +35,14 @@ def _label_origin(cfg: Any, split: str) -> str:
     """Where ``split``'s labels come from, for the message: a transform that sets them, else LABEL_SOURCES."""
     from ssl_engine.data.transforms import labelling_transform
 
-    setter = labelling_transform(cfg.DATA[split].get("TRANSFORMS", []))
-    if setter:
-        return f"set by {setter} in config.DATA.{split}.TRANSFORMS"
-    return f"LABEL_SOURCES {list(cfg.DATA[split].get('LABEL_SOURCES', []) or [])}"
+    transforms = cfg.DATA[split].get("TRANSFORMS", [])
+    sources = f"LABEL_SOURCES {list(cfg.DATA[split].get('LABEL_SOURCES', []) or [])}"
+    every, some = labelling_transform(transforms, every_entry=True), labelling_transform(transforms)
+    if every:
+        return f"set by {every} in config.DATA.{split}.TRANSFORMS"
+    if some:  # it relabels some data entries only: the label may be the sources'
+        return f"{sources}, or set by {some} in config.DATA.{split}.TRANSFORMS"
+    return sources
 
 
 def _message(cfg: Any, split: str, label: int, where: str, size: int, scored_by: str) -> str:

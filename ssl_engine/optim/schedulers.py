@@ -71,8 +71,8 @@ class CosineWarmRestartParamScheduler(ParamScheduler):
         is_adaptive: bool = False,
     ) -> None:
         super().__init__()
-        if not 0.0 < restart_interval_length <= 1.0:
-            raise ValueError(f"restart_interval_length={restart_interval_length} must be in (0, 1]")
+        if not restart_interval_length > 0.0:
+            raise ValueError(f"restart_interval_length={restart_interval_length} must be > 0 (a fraction of training)")
         if wave_type not in WAVE_TYPES:
             raise ValueError(f"wave_type={wave_type!r} must be one of {', '.join(WAVE_TYPES)}")
         self.end_value = end_value

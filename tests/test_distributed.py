@@ -534,6 +534,13 @@ class _Tool:
                 raise AssertionError(f"no {text!r} (exit {self.proc.poll()}):\n{self.seen[-3000:]}")
             self.seen += line
 
+    def wait_for_files(self, files: List[Path], timeout: float = 240) -> None:
+        """Until every one of ``files`` exists (the ranks got there); fails if the tool ends first."""
+        deadline = time.monotonic() + timeout
+        while not all(f.exists() for f in files):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.end(0)[-3000:]
+            time.sleep(0.1)
+
     def end(self, timeout: float) -> str:
         """Wait for the exit (kill after ``timeout``) and return the whole output."""
         try:
@@ -603,10 +610,7 @@ def test_one_ctrl_c_lets_every_rank_finish_stopping(tmp_path: Path) -> None:
         "config.TRAINER.TRAIN_STEP_NAME=slow_to_stop_on_rank1",
     ], f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}", {"STARTED_STAMP": str(started), "STOPPED_STAMP": str(stopped)})
     try:
-        deadline = time.monotonic() + 240
-        while not all(Path(f"{started}{r}").exists() for r in (0, 1)):
-            assert tool.proc.poll() is None and time.monotonic() < deadline, tool.end(0)[-3000:]
-            time.sleep(0.1)
+        tool.wait_for_files([Path(f"{started}{r}") for r in (0, 1)])
         tool.proc.send_signal(signal.SIGINT)
     finally:
         out = tool.end(timeout=60)
@@ -640,10 +644,7 @@ def test_ctrl_c_twice_kills_ranks_that_do_not_stop(tmp_path: Path) -> None:
         "config.TRAINER.TRAIN_STEP_NAME=deaf_to_ctrl_c",
     ], marker, {"STARTED_STAMP": str(started)})
     try:
-        deadline = time.monotonic() + 240
-        while not all(Path(f"{started}{r}").exists() for r in (0, 1)):
-            assert tool.proc.poll() is None and time.monotonic() < deadline, tool.end(0)[-3000:]
-            time.sleep(0.1)
+        tool.wait_for_files([Path(f"{started}{r}") for r in (0, 1)])
         tool.proc.send_signal(signal.SIGINT)
         tool.wait_for("Ctrl-C again to kill them now", timeout=30)
         time.sleep(2.0)

@@ -101,7 +101,7 @@ _WORKER_EXITED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) ex
 def unsent_batch_error(error: BaseException) -> Optional[UserError]:
     """For torch's "DataLoader worker (pid ...) exited unexpectedly": the UserError of a worker
     of this process that ended on a batch it could not send (see _end_worker_on_unsent_batch),
-    else None. Removes every such file of this process's workers."""
+    else None. The files stay: run_engine removes them all as the rank ends."""
     match = _WORKER_EXITED.search(str(error)) if isinstance(error, RuntimeError) else None
     found: Optional[UserError] = None
     for pid in match.group(1).split(",") if match else ():
@@ -111,7 +111,6 @@ def unsent_batch_error(error: BaseException) -> Optional[UserError]:
             break
         except OSError:
             continue
-    remove_unsent_batch_files([os.getpid()])  # the other workers' lines say the same
     return found
 
 

@@ -56,7 +56,7 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
         du.destroy_process_group()
         from ssl_engine.data.loader import remove_unsent_batch_files
 
-        remove_unsent_batch_files([os.getpid()])  # lines of workers this rank never read (it stopped first)
+        remove_unsent_batch_files([os.getpid()])  # its workers' lines: read above, or never (it stopped first)
 
 
 failed_at: Optional[float] = None  # see run_engine

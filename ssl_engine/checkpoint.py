@@ -620,8 +620,23 @@ def extract_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Dict
     return weights
 
 
-def init_model_from_weights(model: torch.nn.Module, weights_cfg: Any) -> Dict[str, List[str]]:
-    """Load MODEL.WEIGHTS_INIT.PARAMS_FILE into ``model``; return loaded/missing/unexpected names."""
+def loads_head_weights(model_cfg: Any) -> bool:
+    """Whether MODEL.WEIGHTS_INIT.PARAMS_FILE sets the heads too (VISSL's rule).
+
+    A training run loads the whole model. An evaluation (FEATURE_EVAL_SETTINGS.EVAL_MODE_ON)
+    trains or extracts from new heads unless EVAL_TRUNK_AND_HEAD asks for the file's heads: a
+    linear probe never starts from the pretraining's head, even when the shapes happen to fit.
+    """
+    fe = model_cfg.FEATURE_EVAL_SETTINGS
+    return not fe.EVAL_MODE_ON or bool(fe.EVAL_TRUNK_AND_HEAD)
+
+
+def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str, List[str]]:
+    """Load MODEL.WEIGHTS_INIT.PARAMS_FILE into ``model``; return loaded/missing/unexpected names.
+
+    ``model_cfg`` is config.MODEL; head weights are left out when :func:`loads_head_weights` says so.
+    """
+    weights_cfg = model_cfg.WEIGHTS_INIT
     path = Path(str(weights_cfg.PARAMS_FILE)).expanduser()
     if not path.is_file():
         raise UserError(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE: {path} does not exist")
@@ -635,6 +650,14 @@ def init_model_from_weights(model: torch.nn.Module, weights_cfg: Any) -> Dict[st
         renamed[f"{append}{k}"] = v
     skip = [s for s in weights_cfg.SKIP_LAYERS if s]
     own = model.state_dict()
+    if not loads_head_weights(model_cfg):
+        heads = [k for k in renamed if k.startswith("heads.")]
+        renamed = {k: v for k, v in renamed.items() if not k.startswith("heads.")}
+        if heads:
+            log.info(
+                "left %d head weights of %s out: config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON evaluates new "
+                "heads unless EVAL_TRUNK_AND_HEAD=true", len(heads), path,
+            )
     loaded, unexpected, shape_mismatch = [], [], []
     new_state = {}
     for k, v in renamed.items():

@@ -99,11 +99,12 @@ def test_pickle_payload_is_refused_and_not_executed(tmp_path):
     assert not marker.exists()
 
 
-def weights_cfg(path, **kw):
-    cfg = compose(["config.MACHINE.DEVICE=cpu"]).MODEL.WEIGHTS_INIT
-    cfg.PARAMS_FILE = str(path)
+def weights_cfg(path, eval_settings=(), **kw):
+    """config.MODEL with WEIGHTS_INIT.PARAMS_FILE=path, WEIGHTS_INIT keys ``kw`` and FEATURE_EVAL_SETTINGS overrides."""
+    cfg = compose(["config.MACHINE.DEVICE=cpu"] + [f"config.MODEL.FEATURE_EVAL_SETTINGS.{s}" for s in eval_settings]).MODEL
+    cfg.WEIGHTS_INIT.PARAMS_FILE = str(path)
     for k, v in kw.items():
-        cfg[k] = v
+        cfg.WEIGHTS_INIT[k] = v
     return cfg
 
 
@@ -149,6 +150,33 @@ def test_init_from_vissl_layout_and_removed_prefix(tmp_path):
     report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "ddp.pt", STATE_DICT_KEY_NAME="model_state_dict",
                                                            REMOVE_PREFIX="module."))
     assert not report["missing"]
+
+
+def test_an_evaluation_loads_the_files_heads_only_with_eval_trunk_and_head(tmp_path, caplog):
+    """VISSL's rule: with FEATURE_EVAL_SETTINGS.EVAL_MODE_ON the heads of PARAMS_FILE are left out
+    (a linear probe starts from new heads even when the shapes fit) unless EVAL_TRUNK_AND_HEAD."""
+    import logging
+
+    torch.manual_seed(3)
+    src = resnet18_model()
+    torch.save({"classy_state_dict": {"base_model": {"model": {
+        "trunk": {k[6:]: v for k, v in src.state_dict().items() if k.startswith("trunk.")},
+        "heads": {k[6:]: v for k, v in src.state_dict().items() if k.startswith("heads.")}}}}}, str(tmp_path / "w.torch"))
+    head = "heads.0.clf.0.weight"
+    for settings, heads_loaded in ((("EVAL_MODE_ON=true",), False),
+                                   (("EVAL_MODE_ON=true", "EVAL_TRUNK_AND_HEAD=true"), True),
+                                   ((), True)):  # fine-tuning: the whole model
+        torch.manual_seed(4)
+        model = resnet18_model()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ssl_engine.checkpoint"):
+            report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "w.torch", settings))
+        own = model.state_dict()
+        assert torch.equal(own["trunk._feature_blocks.conv1.weight"], src.state_dict()["trunk._feature_blocks.conv1.weight"])
+        assert torch.equal(own[head], src.state_dict()[head]) is heads_loaded, settings
+        assert (head in report["loaded"]) is heads_loaded
+        assert ("EVAL_TRUNK_AND_HEAD=true" in caplog.text) is not heads_loaded
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_init_warns_when_trunk_weights_keep_their_random_init(tmp_path, caplog):

@@ -775,7 +775,7 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
     if weights.PARAMS_FILE and (cfg.engine_name != "train" or not is_resuming(cfg)):
         from ssl_engine.checkpoint import init_model_from_weights
 
-        _checked("the weights file", init_model_from_weights, model, weights)
+        _checked("the weights file", init_model_from_weights, model, build_cfg.MODEL)
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         from ssl_engine.optim import build_optimizer
 

@@ -327,6 +327,11 @@ class SSLModel(nn.Module):
             out = head(out)
         return [out]
 
+    @property
+    def extracts_head_output(self) -> bool:
+        """Whether :meth:`extract_features` writes the last head's output (``heads``)."""
+        return not self.feat_layer_names and not self._settings["EXTRACT_TRUNK_FEATURES_ONLY"] and len(self.heads) > 0
+
     @torch.no_grad()
     def extract_features(self, batch: Batch) -> Dict[str, torch.Tensor]:
         """Features to save, keyed by layer name (no grad; the caller sets eval mode).
@@ -339,7 +344,7 @@ class SSLModel(nn.Module):
         if self.feat_layer_names:
             feats = self._pooled_features(batch, flatten)
             return dict(zip(self.feat_layer_names, feats))
-        if self._settings["EXTRACT_TRUNK_FEATURES_ONLY"] or len(self.heads) == 0:
+        if not self.extracts_head_output:
             feat = self._trunk_forward(batch, None)[0]
             if flatten:
                 feat = feat.reshape(feat.shape[0], -1)

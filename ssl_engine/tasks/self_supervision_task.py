@@ -200,7 +200,7 @@ class SelfSupervisionTask(ClassyTask):
         from ssl_engine.checkpoint import init_model_from_weights
 
         if self.config.MODEL.WEIGHTS_INIT.PARAMS_FILE:
-            init_model_from_weights(self.base_model, self.config.MODEL.WEIGHTS_INIT)
+            init_model_from_weights(self.base_model, self.config.MODEL)
 
     def wrap_distributed(self) -> None:
         """Wrap the model in DistributedDataParallel when several ranks train it."""

@@ -101,6 +101,25 @@ def test_supervised_digits_reaches_90_percent(tmp_path):
     assert len(tests) == 3  # a test phase after each of the 3 train phases
     top1 = tests[-1]["test_accuracy_list_meter"]["top_1"]["0"]
     assert top1 >= 90.0, metrics
+    # testing the trained classifier from its file (VISSL's "label prediction at the head"): an
+    # evaluation loads the file's head only with EVAL_TRUNK_AND_HEAD, else it tests a new head
+    # (another seed: with the training's seed the new head is the trained one's init, which a
+    # short training leaves close enough for the trunk to still score well through it)
+    evaluate = ["config=quick/supervised_digits", "config.TEST_ONLY=true", "config.SEED_VALUE=7",
+                f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={folder / 'checkpoint.torch'}",
+                "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=true",
+                "config.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_AND_HEAD=true"]
+    for with_head in (True, False):
+        out = tmp_path / f"test_only_{with_head}"
+        r = run_tool(evaluate + [f"config.CHECKPOINT.DIR={out}",
+                                 f"config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_TRUNK_AND_HEAD={with_head}"], timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        again = json.loads((out / "metrics.json").read_text().splitlines()[-1])["test_accuracy_list_meter"]["top_1"]["0"]
+        said = "tests heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set" in r.stdout + r.stderr
+        if with_head:
+            assert again == pytest.approx(top1, abs=1e-9) and not said
+        else:
+            assert again < top1 - 30 and said, (again, top1)
 
 
 def test_vissl_simclr_config_runs_on_two_cpu_processes(tmp_path):

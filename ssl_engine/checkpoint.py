@@ -32,7 +32,8 @@ from ssl_engine.errors import CheckpointError, UserError
 log = logging.getLogger(__name__)
 
 POINTER = "checkpoint.torch"
-_NAME_RE = re.compile(r"^model_(phase|iteration|final_checkpoint_phase)(\d+)\.torch$")
+# phase -1: the final checkpoint of a run without train phases (TEST_ONLY)
+_NAME_RE = re.compile(r"^model_(phase|iteration|final_checkpoint_phase)(-1|\d+)\.torch$")
 
 
 def phase_checkpoint_name(train_phase_idx: int) -> str:

@@ -120,6 +120,11 @@ def test_supervised_digits_reaches_90_percent(tmp_path):
             assert again == pytest.approx(top1, abs=1e-9) and not said
         else:
             assert again < top1 - 30 and said, (again, top1)
+    # a finished test-only run is not run again (its final checkpoint is found like a training's)
+    before = (out / "metrics.json").read_text()
+    r = run_tool(evaluate + [f"config.CHECKPOINT.DIR={out}"], timeout=600)
+    assert r.returncode == 0 and "has finished (model_final_checkpoint_phase-1.torch exists)" in r.stdout + r.stderr
+    assert (out / "metrics.json").read_text() == before
 
 
 def test_vissl_simclr_config_runs_on_two_cpu_processes(tmp_path):

@@ -102,8 +102,8 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM:
         if not cfg.CHECKPOINT.OVERWRITE_EXISTING:
             log.info(
-                "training in %s has finished (%s exists); nothing to do. "
-                "Set config.CHECKPOINT.OVERWRITE_EXISTING=true to train again.", folder, finished.name,
+                "the run in %s has finished (%s exists); nothing to do. "
+                "Set config.CHECKPOINT.OVERWRITE_EXISTING=true to run it again.", folder, finished.name,
             )
             return None
         if du.is_primary():

@@ -148,11 +148,12 @@ def write_svhn(root: Path, train: Split, test: Split, compress: bool = True) -> 
 
 
 def make_split(n: int, size: int, classes: int, seed: int, channels: int = 3) -> Split:
-    """``n`` random images (N x size x size [x channels]) and labels covering ``classes``."""
+    """``n`` random images (N x size x size [x channels]) and labels spread over ``classes``,
+    label 0 among them (SVHN stores it as 10, STL-10 as 1)."""
     rng = np.random.RandomState(seed)
     shape = (n, size, size, channels) if channels else (n, size, size)
     images = rng.randint(0, 256, size=shape, dtype=np.uint8)
-    labels = (np.arange(n) * 7 + seed) % classes
+    labels = np.roll((np.arange(n) * 7) % classes, seed)
     return images, labels.astype(np.int64)
 
 

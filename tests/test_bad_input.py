@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import run_tool
+from tv_formats import write_dataset
 from ssl_engine import checkpoint as ck
 from ssl_engine.errors import ConfigError, UserError
 
@@ -38,6 +39,11 @@ BASE = [
     "config.MODEL.TRUNK.MLP.DIMS=[3072,16]",
     "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,10]}]]",
 ]
+
+
+# the TRAIN split read from a CIFAR-10 folder by the torchvision_dataset source
+TV_CIFAR = ("config.DATA.TRAIN.DATA_SOURCES=[torchvision_dataset]", "config.DATA.TRAIN.LABEL_SOURCES=[torchvision_dataset]",
+            "config.DATA.TRAIN.DATASET_NAMES=[CIFAR10]")
 
 
 class Row(NamedTuple):
@@ -150,6 +156,16 @@ ROWS: List[Row] = [
                               "config.DATA.TRAIN.DATA_PATHS=[{fx}/images_truncated.npy]", "config.DATA.TRAIN.LABEL_SOURCES=[]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]", "{fx}/images_truncated.npy' is truncated or corrupt", "shape (6,)"),
       tool=False),
+    R("tv-dataset-folder-missing", TV_CIFAR + ("config.DATA.TRAIN.DATA_PATHS=[{fx}/nocifar]",),
+      ("config.DATA.TRAIN.DATA_PATHS[0]: '{fx}/nocifar' does not exist", "cifar-10-batches-py/data_batch_1, ",
+       "never downloads", "torchvision.datasets.CIFAR10('{fx}/nocifar', train=True, download=True)")),
+    R("tv-dataset-unknown-name", TV_CIFAR + ("config.DATA.TRAIN.DATA_PATHS=[{fx}/cifar]",
+                                             "config.DATA.TRAIN.DATASET_NAMES=[CIFAR11]"),
+      ("config.DATA.TRAIN.DATASET_NAMES[0]='CIFAR11' is not a data set the torchvision_dataset source reads",
+       "valid: CIFAR10, CIFAR100, MNIST, STL10, SVHN")),
+    R("tv-dataset-truncated-file", TV_CIFAR + ("config.DATA.TRAIN.DATA_PATHS=[{fx}/cifar_truncated]",),
+      ("config.DATA.TRAIN.DATA_PATHS[0]: CIFAR10 file '{fx}/cifar_truncated/cifar-10-batches-py/data_batch_2' is "
+       "truncated or corrupt", "fetch the data again")),
     R("loss-needs-labels-none-given", ("config.DATA.TRAIN.LABEL_SOURCES=[]",),
       ("config.LOSS.name=cross_entropy_multiple_output_single_target", "config.DATA.TRAIN.LABEL_SOURCES is empty",
        "LABEL_TYPE=sample_index")),
@@ -246,6 +262,10 @@ def make_fixture_files(fx: Path) -> None:
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")
     torch.save({"phase_idx": 0, "classy_state_dict": {"base_model": Payload(str(fx / "PWNED"))}}, fx / "payload.torch")
     (fx / "garbage.torch").write_bytes(b"not a checkpoint")
+    write_dataset("CIFAR10", fx / "cifar", n_train=10, n_test=4)
+    shutil.copytree(fx / "cifar", fx / "cifar_truncated")
+    batch = fx / "cifar_truncated" / "cifar-10-batches-py" / "data_batch_2"
+    batch.write_bytes(batch.read_bytes()[:1000])
 
 
 def folder_hashes(folder: Path) -> Dict[str, str]:

@@ -82,7 +82,7 @@ def tensors_equal(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
 
 
 def test_registries_hold_the_builtins() -> None:
-    for name in ("synthetic", "digits", "disk_folder", "disk_filelist"):
+    for name in ("synthetic", "digits", "disk_folder", "disk_filelist", "torchvision_dataset"):
         assert name in DATA_SOURCES
     for name in ("default_collate", "default", "simclr_collator"):
         assert name in COLLATORS

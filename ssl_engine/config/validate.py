@@ -493,7 +493,24 @@ def validate(
     if warn_unused:
         for key in walker.compat_set:
             log.warning("config key %s is accepted for VISSL configs but not acted on by ssl_engine", key)
+        warn_unread_dataset_names(cfg, defaults["config"]["DATA"])
     return AttrDict(cfg)
+
+
+def warn_unread_dataset_names(cfg: Dict[str, Any], default_data: Dict[str, Any]) -> None:
+    """``DATASET_NAMES`` set in a split no torchvision_dataset source reads: VISSL looked such
+    names up in its dataset catalog, which ssl_engine does not have, so say it is not acted on."""
+    for split in ("TRAIN", "TEST"):
+        scfg = (cfg.get("DATA") or {}).get(split) or {}
+        names = scfg.get("DATASET_NAMES")
+        if names == default_data[split]["DATASET_NAMES"]:
+            continue
+        sources = list(scfg.get("DATA_SOURCES") or []) + list(scfg.get("LABEL_SOURCES") or [])
+        if "torchvision_dataset" not in sources:
+            log.warning(
+                "config.DATA.%s.DATASET_NAMES is read only by the torchvision_dataset source, which this split does "
+                "not use: not acted on (VISSL's dataset catalog is not supported; DATA_PATHS names the data)", split,
+            )
 
 
 def _lookup(registry: Any, key: str, name: Any) -> None:

@@ -1,7 +1,7 @@
 """Data: sources, the seeded dataset, transforms, collators, the stateful sampler and the loader.
 
 Importing this package registers the built-in data sources (synthetic, digits, disk_folder,
-disk_filelist), every torchvision transform plus VISSL's PIL transforms, and the collators
+disk_filelist, torchvision_dataset), every torchvision transform plus VISSL's PIL transforms, and the collators
 (default_collate / default, simclr_collator).
 """
 
@@ -22,6 +22,7 @@ from ssl_engine.data.sources import (
     SyntheticSource,
     UnreadableImageError,
 )
+from ssl_engine.data.torchvision_dataset import TorchvisionDatasetSource
 from ssl_engine.data.transforms import SSLTransformsWrapper, build_transform, build_transforms
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "DiskFilelistSource",
     "DiskFolderSource",
     "SyntheticSource",
+    "TorchvisionDatasetSource",
     "build_collator",
     "build_dataloader",
     "build_dataset",

@@ -609,3 +609,4 @@ def test_a_batch_a_worker_cannot_send_stops_the_run_naming_why(tmp_path, ranks, 
     assert "with_a_lambda.<locals>.<lambda>" in last and "must pickle" in last
     assert "Traceback" not in proc.stderr and "exited unexpectedly" not in proc.stderr
     assert not list(tmpdir.glob("ssl_engine_unsent_batch_*"))  # every worker's line: read, or removed
+    assert not list(tmpdir.glob("pymp-*"))  # the ended workers' multiprocessing folders are removed too

@@ -59,6 +59,19 @@ def _unsent_batch_file(main_pid: int, worker: Any) -> str:
     return os.path.join(tempfile.gettempdir(), f"ssl_engine_unsent_batch_{main_pid}_{worker}.txt")
 
 
+def _exit_worker(code: int) -> None:
+    """``os._exit`` for a loader worker, after removing the temporary folder multiprocessing made
+    for it (``pymp-*``, holding the socket it shares tensors through): ``os._exit`` runs no
+    finalizer, and the folder would be left in TMPDIR."""
+    import multiprocessing
+    import shutil
+
+    tempdir = multiprocessing.current_process()._config.get("tempdir")  # set by multiprocessing.util.get_temp_dir
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
+    os._exit(code)
+
+
 def _end_worker_on_unsent_batch(main_pid: Optional[int]) -> None:
     """Make a batch this worker cannot send end the worker, instead of being dropped.
 
@@ -85,12 +98,12 @@ def _end_worker_on_unsent_batch(main_pid: Optional[int]) -> None:
             try:
                 with open(_unsent_batch_file(main_pid, os.getpid()), "w") as f:
                     f.write(line)
-                os._exit(1)
+                _exit_worker(1)
             except OSError:
                 pass
         sys.stderr.write(f"error: {line}; ending the worker\n")
         sys.stderr.flush()
-        os._exit(1)
+        _exit_worker(1)
 
     multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(on_error)
 
@@ -153,7 +166,7 @@ def _exit_when_gone(main_pid: int, every_s: float = 1.0) -> None:
     """
     while not _process_gone(main_pid):
         time.sleep(every_s)
-    os._exit(0)
+    _exit_worker(0)
 
 
 def stop_workers(iterator: Any) -> None:

@@ -42,6 +42,8 @@ def worker_init_fn(worker_id: int, main_pid: Optional[int] = None) -> None:
     Seeding is harmless by design: the dataset reseeds every generator per sample; this only
     keeps user code that draws randomness outside ``__getitem__`` from sharing one stream.
     """
+    global _INHERITED_TEMPDIR
+    _INHERITED_TEMPDIR = _mp_tempdir()  # the rank's, when it made one before starting this worker
     seed = torch.initial_seed()
     np.random.seed(seed % (1 << 32))
     random.seed(seed)
@@ -59,15 +61,26 @@ def _unsent_batch_file(main_pid: int, worker: Any) -> str:
     return os.path.join(tempfile.gettempdir(), f"ssl_engine_unsent_batch_{main_pid}_{worker}.txt")
 
 
+_INHERITED_TEMPDIR: Optional[str] = None
+
+
+def _mp_tempdir() -> Optional[str]:
+    """This process's multiprocessing temp folder (``pymp-*``; multiprocessing.util.get_temp_dir
+    keeps it in the process config, which a child process inherits), None before one is made."""
+    import multiprocessing
+
+    return multiprocessing.current_process()._config.get("tempdir")
+
+
 def _exit_worker(code: int) -> None:
     """``os._exit`` for a loader worker, after removing the temporary folder multiprocessing made
     for it (``pymp-*``, holding the socket it shares tensors through): ``os._exit`` runs no
-    finalizer, and the folder would be left in TMPDIR."""
-    import multiprocessing
+    finalizer, and the folder would be left in TMPDIR. A folder inherited from the rank is the
+    rank's to remove."""
     import shutil
 
-    tempdir = multiprocessing.current_process()._config.get("tempdir")  # set by multiprocessing.util.get_temp_dir
-    if tempdir:
+    tempdir = _mp_tempdir()
+    if tempdir and tempdir != _INHERITED_TEMPDIR:
         shutil.rmtree(tempdir, ignore_errors=True)
     os._exit(code)
 

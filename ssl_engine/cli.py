@@ -17,8 +17,10 @@ process (ssl_engine.launch); where loader workers or ranks will come from a fork
 started as soon as the config has composed so that its imports overlap this process's own.
 """
 
+import builtins
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
@@ -58,10 +60,28 @@ def _split_args(argv: List[str]) -> Tuple[List[str], int, bool]:
     return overrides, node_id, debug
 
 
+# warnings of dependencies that a user can do nothing about, as PYTHONWARNINGS entries (action,
+# start of the message, category): import-time deprecation notices of torchvision and torch, and
+# the resource tracker's count of semaphores that ranks or loader workers ended by an error left
+_QUIET_WARNINGS = (
+    "ignore:The 'torchvision.transforms._functional_video' module",
+    "ignore:The 'torchvision.transforms._transforms_video' module",
+    "ignore:`torch.jit.script` is deprecated:FutureWarning",
+    "ignore:resource_tracker",
+)
+
+
 def quiet_dependency_warnings() -> None:
-    """Hide import-time deprecation notices of dependencies that a user can do nothing about."""
-    warnings.filterwarnings("ignore", message=r"The 'torchvision\.transforms\._(functional|transforms)_video' module")
-    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+    """Hide warnings of dependencies that a user can do nothing about, in this process and in
+    every process it starts (spawned or forkserver ranks, loader workers, the forkserver and
+    multiprocessing's resource tracker import torchvision, or report, on their own): the
+    filters are added to PYTHONWARNINGS, which each new interpreter reads before any import."""
+    for entry in _QUIET_WARNINGS:
+        action, message, *category = entry.split(":")
+        warnings.filterwarnings(action, message=re.escape(message),
+                                category=getattr(builtins, category[0]) if category else Warning)
+    given = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]
+    os.environ["PYTHONWARNINGS"] = ",".join(given + [e for e in _QUIET_WARNINGS if e not in given])
 
 
 def start_forkserver_early(cfg) -> None:

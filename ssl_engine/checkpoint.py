@@ -492,6 +492,12 @@ def resume_from_file(value: Any) -> Path:
     return path
 
 
+def final_phase(path: Path) -> int:
+    """The train phase a checkpoint file's name gives (-1: the final checkpoint of a TEST_ONLY run)."""
+    match = _NAME_RE.match(Path(path).name)
+    return int(match.group(2)) if match else -1
+
+
 def final_checkpoint(folder: Path) -> Optional[Path]:
     """The final checkpoint of a finished training in ``folder``, if there is one."""
     finals = [p for p in list_checkpoints(folder) if p.name.startswith("model_final_checkpoint_phase")]

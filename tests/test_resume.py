@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -285,6 +286,41 @@ def test_finished_run_is_not_retrained(setup, reference, tmp_path):
     after = {p.name: p.stat().st_mtime_ns for p in reference[0].iterdir() if p.name in before}
     changed = [n for n in before if n not in ("log.txt",) and before[n] != after.get(n)]
     assert not changed, changed
+
+
+def test_test_only_refuses_to_continue_a_training_folder(setup, reference, tmp_path):
+    """TEST_ONLY builds one test phase: resuming a training's mid-phase checkpoint into it failed
+    with a KeyError traceback, a phase-end one ran nothing, a finished one said "finished"."""
+    root, cfg = setup
+    src = reference[0]
+    mid = tmp_path / "mid"
+    mid.mkdir()
+    shutil.copy(src / "model_iteration8.torch", mid)
+    for folder, newest in ((mid, "model_iteration8.torch"), (src, "model_final_checkpoint_phase2.torch")):
+        before = sorted(p.name for p in folder.iterdir())
+        r = run(cfg, folder, "config.TEST_ONLY=true", "config.DATA.NUM_DATALOADER_WORKERS=0")
+        assert r.returncode == 2, r.stderr[-3000:]
+        line = r.stderr.strip().splitlines()[-1]
+        assert line.startswith("error: config.TEST_ONLY=true cannot continue a training run") and newest in line
+        assert f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={folder / newest}" in line and "Traceback" not in r.stderr
+        assert sorted(p.name for p in folder.iterdir() if p.name != "log.txt") == [n for n in before if n != "log.txt"]
+
+
+def test_resuming_from_a_finished_checkpoint_says_nothing_is_left(setup, reference, tmp_path):
+    """RESUME_FROM the final checkpoint of another folder ran no phase and exited 0, writing nothing."""
+    root, cfg = setup
+    final = reference[0] / "model_final_checkpoint_phase2.torch"
+    r = run(cfg, tmp_path / "new", f"config.CHECKPOINT.RESUME_FROM={final}", "config.DATA.NUM_DATALOADER_WORKERS=0")
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line == (f"error: {final} was written after phase 6 of its run and this config has 6 phases: nothing is "
+                    f"left to run; raise config.OPTIMIZER.num_epochs to train on from it, or start a new run from its "
+                    f"weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE"), line
+    # with more epochs it trains on from there
+    r = run(cfg, tmp_path / "more", f"config.CHECKPOINT.RESUME_FROM={final}", "config.DATA.NUM_DATALOADER_WORKERS=0",
+            "config.OPTIMIZER.num_epochs=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "more" / "model_final_checkpoint_phase3.torch").is_file()
 
 
 def test_keep_last_and_overwrite_existing(setup, tmp_path):

@@ -10,6 +10,7 @@ from ssl_engine.checkpoint import (
     POINTER,
     atomic_write_text,
     final_checkpoint,
+    final_phase,
     is_engine_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -64,6 +65,14 @@ class _Trainer(SelfSupervisionTrainer):
 
     def setup(self) -> Any:
         task = super().setup()
+        if self.checkpoint_path and task.done_training():
+            # a finished run is found by its final checkpoint before this; here the checkpoint
+            # came from elsewhere (RESUME_FROM, a pointer) or the config now has fewer phases
+            raise UserError(
+                f"{self.checkpoint_path} was written after phase {task.phase_idx + 1} of its run and this config has {len(task.phases)} "
+                f"phases: nothing is left to run; raise config.OPTIMIZER.num_epochs to train on from it, or start a "
+                f"new run from its weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+            )
         if du.is_primary():
             atomic_write_text(Path(self.checkpoint_folder) / "train_config.yaml", to_yaml(self.cfg))
         return task
@@ -97,8 +106,22 @@ def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
             lock.release()
 
 
+def _refuse_training_checkpoint_for_test_only(cfg: AttrDict, path: str, train_phase_idx: int) -> None:
+    """TEST_ONLY builds one test phase: it cannot continue a training's checkpoint (whose position
+    is in its train phases), and writing its own checkpoints there would end that training."""
+    if cfg.TEST_ONLY and train_phase_idx >= 0:
+        where = "config.CHECKPOINT.RESUME_FROM" if cfg.CHECKPOINT.RESUME_FROM else f"config.CHECKPOINT.DIR {cfg.CHECKPOINT.DIR}"
+        raise UserError(
+            f"config.TEST_ONLY=true cannot continue a training run: {where} holds its checkpoint {path}; to test "
+            f"its weights, run in a new folder with config.CHECKPOINT.DIR=<new folder> "
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={path}"
+        )
+
+
 def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
     finished = final_checkpoint(folder)
+    if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
+        _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM:
         if not cfg.CHECKPOINT.OVERWRITE_EXISTING:
             log.info(
@@ -111,6 +134,8 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
             clear_finished_run(folder)
         du.barrier()
     resume = resume_checkpoint(cfg)
+    if resume is not None:
+        _refuse_training_checkpoint_for_test_only(cfg, resume[0], int(resume[1].get("train_phase_idx", -1)))
     if du.is_primary():
         folder.mkdir(parents=True, exist_ok=True)
     trainer = _Trainer(

@@ -479,17 +479,22 @@ def prune(folder: Path, keep_last: int, protect: Optional[set] = None) -> None:
                 log.warning("could not remove old checkpoint %s: %s", p, e.strerror)
 
 
-def resume_from_file(value: Any) -> Path:
-    """The file ``config.CHECKPOINT.RESUME_FROM`` names; a CheckpointError when it is missing or a
+def named_file(value: Any, key: str) -> Path:
+    """The checkpoint file config key ``key`` names; a CheckpointError when it is missing or a
     folder (naming the checkpoint to use from that folder, where it holds one)."""
     path = Path(str(value)).expanduser()
     if path.is_dir():
         found = [p for p in (path / POINTER, *list_checkpoints(path)) if p.is_file()]
         hint = f"e.g. {found[0]}" if found else "the folder holds no checkpoint"
-        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} is a folder; name a checkpoint file ({hint})")
+        raise CheckpointError(f"{key}: {path} is a folder; name a checkpoint file ({hint})")
     if not path.is_file():
-        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path} does not exist")
+        raise CheckpointError(f"{key}: {path} does not exist")
     return path
+
+
+def resume_from_file(value: Any) -> Path:
+    """The file ``config.CHECKPOINT.RESUME_FROM`` names (see :func:`named_file`)."""
+    return named_file(value, "config.CHECKPOINT.RESUME_FROM")
 
 
 def final_phase(path: Path) -> int:
@@ -644,9 +649,7 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
     ``model_cfg`` is config.MODEL; head weights are left out when :func:`loads_head_weights` says so.
     """
     weights_cfg = model_cfg.WEIGHTS_INIT
-    path = Path(str(weights_cfg.PARAMS_FILE)).expanduser()
-    if not path.is_file():
-        raise UserError(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE: {path} does not exist")
+    path = named_file(weights_cfg.PARAMS_FILE, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
     data = load_checkpoint(path)
     weights = extract_state_dict(data, weights_cfg.STATE_DICT_KEY_NAME, str(path))
     remove, append = weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX

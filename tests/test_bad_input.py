@@ -196,6 +196,9 @@ ROWS: List[Row] = [
     # -- files: weights, checkpoints, folders, user modules ------------------------------------------
     R("weights-file-missing", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/nothere.torch",),
       ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE", "{fx}/nothere.torch", "does not exist"), folder="fresh", tool=False),
+    R("weights-file-is-a-folder", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/images",),
+      ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE", "{fx}/images is a folder; name a checkpoint file"), folder="fresh",
+      tool=False),
     R("weights-file-no-expected-keys", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/foreign.torch",),
       ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE", "{fx}/foreign.torch", "match"), folder="fresh"),
     R("weights-file-pickle-payload", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/payload.torch",),

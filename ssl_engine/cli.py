@@ -25,7 +25,14 @@ import sys
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
-from ssl_engine.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, NonFiniteLossError, UserError, one_line
+from ssl_engine.errors import (
+    INTERRUPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    NonFiniteLossError,
+    UserError,
+    file_system_error,
+    one_line,
+)
 
 log = logging.getLogger("ssl_engine")
 
@@ -213,6 +220,10 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     except Exception as e:
+        file_error = file_system_error(e)
+        if file_error is not None and not debug:
+            print(f"error: {one_line(str(file_error))}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
         if debug or not _raised_while_interrupted(e):
             raise
         # Ctrl-C landed inside library code that then failed on its way out (e.g. a thread

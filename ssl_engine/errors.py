@@ -6,8 +6,9 @@ traceback, unless ``--debug`` or ``SSL_ENGINE_DEBUG=1`` asks for one.
 """
 
 import difflib
+import errno
 import re
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 USER_ERROR_EXIT_CODE = 2
 PREEMPTED_EXIT_CODE = 3
@@ -39,6 +40,23 @@ class FolderLockedError(UserError):
 _WORKER_WRAP = re.compile(
     r"Caught (?P<name>\w+) in DataLoader worker process (?P<worker>\d+)\.\s*Original Traceback \(most recent call last\):",
 )
+
+
+# errors of the file system a user fixes (a folder where a file should be, no permission, a full
+# or read-only disk), not defects of the engine
+_USERS_OS_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("EISDIR", "ENOTDIR", "EACCES", "EPERM", "ENOSPC", "EROFS", "EDQUOT", "ENAMETOOLONG")
+    if hasattr(errno, name)
+)
+
+
+def file_system_error(error: BaseException) -> Optional[UserError]:
+    """The UserError for an OSError on a named file that the user's setup caused (see
+    ``_USERS_OS_ERRNOS``), e.g. a folder named ``stdout.json`` in the checkpoint folder; None
+    for any other error."""
+    if isinstance(error, OSError) and error.errno in _USERS_OS_ERRNOS and error.filename:
+        return UserError(f"cannot use {error.filename}: {error.strerror or type(error).__name__}")
+    return None
 
 
 def unwrap_worker_error(text: str) -> str:

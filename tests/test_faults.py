@@ -635,3 +635,15 @@ def test_ranks_and_workers_started_fresh_print_only_the_error_line(tmp_path):
     assert proc.returncode == 2
     line = one_error_line(proc)
     assert "fake.png" in line and "ON_CORRUPT_IMAGE" in line
+
+
+@pytest.mark.parametrize("name", ["stdout.json", "train.lock", "log.txt"])
+def test_a_folder_where_the_run_writes_a_file_is_one_line(tmp_path, name):
+    """A folder named like a file the run writes in CHECKPOINT.DIR stopped it with an
+    IsADirectoryError traceback (exit 1); it is the user's to move: one line, exit 2."""
+    run = tmp_path / "run"
+    (run / name).mkdir(parents=True)
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=1", "config.LOG_FREQUENCY=1"],
+                    timeout=300)
+    assert proc.returncode == 2
+    assert one_error_line(proc) == f"error: cannot use {run / name}: Is a directory"

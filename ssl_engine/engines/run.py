@@ -8,6 +8,7 @@ from typing import Any, Optional
 from ssl_engine import distributed as du
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo
+from ssl_engine.errors import file_system_error
 from ssl_engine.logger import setup_logging
 from ssl_engine.registry import ENGINES
 from ssl_engine.user_modules import import_user_modules
@@ -33,7 +34,10 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
     """Run ``cfg.engine_name`` as rank ``info.rank`` of ``info.world_size``."""
     from ssl_engine import preemption
 
-    setup_logging(info.rank, cfg.CHECKPOINT.DIR, cfg.VERBOSE)
+    try:
+        setup_logging(info.rank, cfg.CHECKPOINT.DIR, cfg.VERBOSE)
+    except OSError as e:  # e.g. a folder named log.txt
+        raise (file_system_error(e) or e) from None
     load_builtin_parts()
     import_user_modules(cfg.USER_MODULES)
     preemption.install()
@@ -48,7 +52,7 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
         failed_at = time.time()
         from ssl_engine.data.loader import unsent_batch_error
 
-        user_error = unsent_batch_error(e)  # a loader worker's own account of why it ended
+        user_error = unsent_batch_error(e) or file_system_error(e)  # a loader worker's account of why it ended
         if user_error is not None:
             raise user_error from None
         raise

@@ -1016,3 +1016,18 @@ def test_stdout_json_writer_appends_whole_lines_and_reopens_after_close(tmp_path
     cut.start()
     cut.close()
     assert bare.read_text() == ""
+
+
+def test_a_nan_loss_from_a_batch_of_ignored_labels_is_explained():
+    """Cross entropy's mean over a batch whose every label is the ignore_index (-1) is NaN: the
+    message says so, instead of only "the model output is finite"."""
+    from ssl_engine.hooks.nan_check import diagnose
+
+    output = [torch.randn(4, 3)]
+    batch = {"data": [torch.randn(4, 2)], "label": [torch.full((4,), -1)]}
+    loss = torch.nn.functional.cross_entropy(output[0], batch["label"][0], ignore_index=-1)
+    assert torch.isnan(loss)
+    msg = diagnose(output, batch)
+    assert "every label of the batch is negative (-1), the label a loss ignores (ignore_index)" in msg
+    batch["label"] = [torch.tensor([-1, 2, -1, -1])]  # one counted sample: not this cause
+    assert "every label" not in diagnose(output, batch)

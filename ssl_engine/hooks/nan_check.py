@@ -48,7 +48,22 @@ def diagnose(output: Any, batch: Any) -> str:
     parts = bad_inputs + (bad or ["the model output is finite (the loss computation produced it)"])
     if inputs and not bad_inputs:
         parts.append("the input data is finite")
+    labels = _integer_tensors(batch.get("label")) if isinstance(batch, dict) else []
+    if not bad and labels and all(t.numel() and bool((t < 0).all()) for t in labels):
+        values = sorted({int(v) for t in labels for v in t.flatten().tolist()})
+        parts.append(f"every label of the batch is negative ({', '.join(map(str, values))}), the label a loss ignores "
+                     f"(ignore_index): its mean over no counted sample is NaN; label these samples, or leave them out "
+                     f"of the data")
     return "; ".join(parts)
+
+
+def _integer_tensors(x: Any) -> List[torch.Tensor]:
+    """The integer tensors of a (nested) list/tuple (a batch's labels, one per label source)."""
+    if isinstance(x, torch.Tensor):
+        return [x.detach()] if not x.is_floating_point() and not x.is_complex() else []
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _integer_tensors(v)]
+    return []
 
 
 @HOOKS.register("NaNCheckHook")

@@ -234,6 +234,51 @@ def test_output_heads_name_the_stage_behind_each_output() -> None:
     assert build(model_config(trunk="mlp")).output_heads() == []
 
 
+def test_output_sizes_are_what_forward_returns_and_what_the_meters_check() -> None:
+    """output_sizes (from the config, no forward: what the pre-launch check gives the meters) has
+    one entry per forward output with its class count, or None where the config does not say; a
+    top-k meter raises the same line from it as from its first update on the real outputs."""
+    from ssl_engine.meters import build_meters, check_meters_fit_model
+
+    x = torch.randn(2, 3, 8, 8)
+    chain = [[["mlp", {"dims": [16, 8]}], ["mlp", {"dims": [8, 5]}]]]
+    two = [["mlp", {"dims": [16, 8]}], ["mlp", {"dims": [8, 3]}]]
+    mlp_fe = {"EVAL_MODE_ON": True, "LINEAR_EVAL_FEAT_POOL_OPS_MAP": [["fc1", ["Identity", []]], ["fc2", ["Identity", []]]]}
+    per_layer = [["mlp", {"dims": [32, 4]}], ["mlp", {"dims": [16, 6]}]]
+    cases = [
+        (model_config(trunk="mlp", heads=chain), [5]),
+        (model_config(trunk="mlp", heads=two), [3]),
+        (model_config(trunk="mlp", heads=per_layer, eval_settings=mlp_fe), [4, 6]),
+        (model_config(trunk="mlp"), [None]),  # trunk features: their number only
+        (model_config(trunk="mlp", heads=per_layer, eval_settings=dict(mlp_fe, EXTRACT_TRUNK_FEATURES_ONLY=True)),
+         [None, None]),
+    ]
+    for cfg, sizes in cases:
+        model = build(cfg).eval()
+        assert model.output_sizes() == sizes
+        with torch.no_grad():
+            outputs = model(x)
+        assert len(outputs) == len(sizes)
+        assert [int(o.shape[1]) for o, n in zip(outputs, sizes) if n is not None] == [n for n in sizes if n is not None]
+        with torch.device("meta"):
+            assert build(cfg).output_sizes() == sizes
+    model = build(model_config(trunk="mlp", heads=per_layer, eval_settings=mlp_fe)).eval()
+    with torch.no_grad():
+        outputs = model(x)
+    target = torch.zeros(2, dtype=torch.long)
+    for meters_cfg in ({"num_meters": 1, "topk_values": [1]}, {"num_meters": 2, "topk_values": [1, 5]}):
+        meter = build_meters(AttrDict({"names": ["accuracy_list_meter"], "accuracy_list_meter": meters_cfg}))[0]
+        with pytest.raises(UserError) as before_launch:
+            check_meters_fit_model([meter], model)
+        with pytest.raises(UserError) as at_update:
+            meter.update(outputs, target)
+        assert str(before_launch.value) == str(at_update.value)
+    fits = build_meters(AttrDict({"names": ["accuracy_list_meter"],
+                                  "accuracy_list_meter": {"num_meters": 2, "topk_values": [1, 4]}}))
+    check_meters_fit_model(fits, model)
+    fits[0].update(outputs, target)
+
+
 def test_linear_eval_checks() -> None:
     bad = [EVAL_HEADS[0], ["eval_mlp", {"in_channels": 256, "dims": [256, 10]}]]
     fe = {"EVAL_MODE_ON": True, "LINEAR_EVAL_FEAT_POOL_OPS_MAP": POOL_MAP}

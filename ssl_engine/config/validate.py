@@ -788,6 +788,11 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
 
         # the only help on CUDA, where a label beyond the head's classes is an uncatchable device assert
         check_dataset_labels(build_cfg, datasets, model, loss, meters or [])
+        if meters and any(split == "TEST" or build_cfg.METERS.enable_training_meter for split in splits):
+            from ssl_engine.meters import check_meters_fit_model
+
+            # the meters' own check of every update, on the heads' sizes: num_meters, top-k against the classes
+            check_meters_fit_model(meters, model)
     weights = build_cfg.MODEL.WEIGHTS_INIT
     if weights.PARAMS_FILE and (cfg.engine_name != "train" or not is_resuming(cfg)):
         from ssl_engine.checkpoint import init_model_from_weights

@@ -5,7 +5,7 @@ Every meter is a classy_vision ``ClassyMeter``: ``update(model_output, target)``
 ``get_classy_state`` / ``set_classy_state`` for exact resume.
 """
 
-from typing import List
+from typing import Any, List
 
 from classy_vision.meters import ClassyMeter
 
@@ -43,9 +43,25 @@ def build_meters(meters_config: AttrDict) -> List[ClassyMeter]:
     return meters
 
 
+def check_meters_fit_model(meters: List[ClassyMeter], model: Any) -> None:
+    """Before launch: each meter with a ``check_outputs(sizes)`` (the top-k meters) is given the
+    model's output sizes (``model.output_sizes()``, from the config, no forward), and raises the
+    UserError its first ``update`` would raise (num_meters against the number of outputs, top-k
+    against the classes). Nothing is checked when the model cannot say how many outputs it has."""
+    output_sizes = getattr(model, "output_sizes", None)
+    sizes = output_sizes() if callable(output_sizes) else None
+    if sizes is None:
+        return
+    for meter in meters:
+        check = getattr(meter, "check_outputs", None)
+        if callable(check):
+            check(sizes)
+
+
 __all__ = [
     "AccuracyListMeter",
     "build_meters",
+    "check_meters_fit_model",
     "ClassyMeter",
     "meter_names",
     "PrecisionAtKListMeter",

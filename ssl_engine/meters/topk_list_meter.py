@@ -9,7 +9,7 @@ VISSL's layout, in percent::
 keyed by ``meter_names`` (or "0", "1", ... when no names are given).
 """
 
-from typing import Any, Dict, List, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from classy_vision.meters import AccuracyMeter, ClassyMeter, PrecisionAtKMeter, RecallAtKMeter
@@ -147,13 +147,29 @@ class TopKListMeter(ClassyMeter):
     def name(self) -> str:
         return self.NAME
 
+    def check_outputs(self, sizes: Sequence[Optional[int]]) -> None:
+        """Raise a UserError naming the config key when this meter cannot score model outputs of
+        these class counts: ``sizes`` has one entry per model output, its number of classes (the
+        size of dim 1 of an [N, C] output), or None where that is unknown or the output is not
+        [N, C]. The check of every :meth:`update`, and of the config before launch (with the
+        class counts the heads' config gives, see ``SSLModel.output_sizes``)."""
+        key = f"config.METERS.{self.NAME}"
+        if len(sizes) != self.num_meters:
+            n = len(sizes)
+            raise UserError(
+                f"{key}.num_meters={self.num_meters} but the model returns {n} output{'' if n == 1 else 's'}; "
+                f"set num_meters to {n} (one meter per model output)"
+            )
+        for size in sizes:
+            if size is not None and self._k_max > size:
+                raise UserError(
+                    f"{key}.topk_values={self.topk_values}: top-{self._k_max} needs at least "
+                    f"{self._k_max} classes, but the model outputs {size}; use top-k values up to {size}"
+                )
+
     def _pairs(self, model_output: ModelOutput, target: Target) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         outputs = [model_output] if isinstance(model_output, torch.Tensor) else list(model_output)
-        if len(outputs) != self.num_meters:
-            raise UserError(
-                f"config.METERS.{self.NAME}.num_meters={self.num_meters} but the model returned "
-                f"{len(outputs)} outputs; set num_meters to the number of heads"
-            )
+        self.check_outputs([int(out.shape[1]) if out.ndim == 2 else None for out in outputs])
         if isinstance(target, torch.Tensor):
             targets = [target] * len(outputs)
         else:
@@ -164,11 +180,6 @@ class TopKListMeter(ClassyMeter):
                 raise ValueError(f"{self.NAME}: {len(targets)} targets for {len(outputs)} outputs")
         pairs = []
         for out, tgt in zip(outputs, targets):
-            if out.ndim == 2 and self._k_max > out.shape[1]:
-                raise UserError(
-                    f"config.METERS.{self.NAME}.topk_values={self.topk_values}: top-{self._k_max} needs at least "
-                    f"{self._k_max} classes, but the model outputs {out.shape[1]}"
-                )
             if out.requires_grad:
                 out = out.detach()
             if self.ON_CPU:

@@ -226,6 +226,19 @@ class SSLModel(nn.Module):
         indices = range(len(self.heads)) if self.linear_eval_mode else [len(self.heads) - 1]
         return [self._last_stage(i) for i in indices]
 
+    def output_sizes(self) -> Optional[List[Optional[int]]]:
+        """One entry per output of :meth:`forward`: its number of classes (dim 1 of an [N, C] head
+        output) as the config gives it, or None where the config does not say (a head without
+        ``dims``, trunk features); None when not even the number of outputs is known (a user
+        trunk's features). What a meter's ``check_outputs`` is given before launch."""
+        if not self.trunk_features_only and len(self.heads):
+            return [size for _, size in self.output_heads()]
+        if self.linear_eval_mode:
+            return [None] * len(self.feat_layer_names)
+        from ssl_engine.models.trunks import FeatureTrunk
+
+        return [None] if isinstance(self.trunk, FeatureTrunk) else None  # its default (last) layer only
+
     def _last_stage(self, i: int) -> Tuple[str, Optional[int]]:
         """(key, output size) of the last stage of head ``i`` (a list entry of HEAD.PARAMS is a chain)."""
         head, where, name = self.heads[i], f"{HEAD_KEY}[{i}]", self.head_names[i]

@@ -85,8 +85,11 @@ def stop_while_blocked(waiting_for: str, preempted_wait_s: float = PREEMPTED_WAI
     done = threading.Event()
 
     def stop(signum: int, code: int) -> None:
-        log.warning("stopped by %s while waiting for %s; nothing to save yet, the run had not started",
-                    signal.Signals(signum).name, waiting_for)
+        # SIGINT is a Ctrl-C (the launcher says "interrupted") or the launcher stopping the ranks
+        # that wait for one that failed: not worth a line beside that rank's error on stderr
+        log.log(logging.INFO if signum == signal.SIGINT else logging.WARNING,
+                "stopped by %s while waiting for %s; nothing to save yet, the run had not started",
+                signal.Signals(signum).name, waiting_for)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stderr.flush()

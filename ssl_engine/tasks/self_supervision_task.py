@@ -445,8 +445,9 @@ class SelfSupervisionTask(ClassyTask):
         warning about the change of world size), else None."""
         note = None
         if len(rank_states) > self.world_size and not state.get("phase_complete", True):
-            note = (f"the meters and loss of the interrupted phase leave out what ranks "
-                    f"{self.world_size}..{len(rank_states) - 1} had counted")
+            first, last = self.world_size, len(rank_states) - 1
+            note = (f"the meters and loss of the interrupted phase leave out what "
+                    f"{f'rank {first}' if first == last else f'ranks {first}..{last}'} had counted")
         if self.rank >= len(rank_states):
             return note
         own = rank_states[self.rank]

@@ -3,11 +3,13 @@
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -336,3 +338,83 @@ def test_keep_last_and_overwrite_existing(setup, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (folder / "model_final_checkpoint_phase0.torch").exists()
     assert not (folder / f"model_final_checkpoint_phase{EPOCHS - 1}.torch").exists()
+
+
+def train_reads(path):
+    """Indices of the TRAIN samples read, in the order read, from a $SSL_TEST_READS file."""
+    return [int(ln.split()[1]) for ln in Path(path).read_text().splitlines() if ln.startswith("TRAIN ")]
+
+
+NEW_GLOBAL_BATCH = {  # a change between a run and its resume -> (overrides, this run's global batch)
+    "batch_doubled": (["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16"], 16),
+    "batch_tripled": (["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=24"], 24),  # 32 samples done: not a multiple of 24
+    "two_ranks": (["config.DISTRIBUTED.NUM_PROC_PER_NODE=2"], 16),
+}
+
+
+@pytest.mark.parametrize("change", list(NEW_GLOBAL_BATCH))
+def test_resume_with_another_global_batch_trains_on_the_rest_of_the_phase(setup, tmp_path, change):
+    """The checkpoint's position (batches of 8) is converted by samples into this run's batches:
+    the resumed phase reads the samples its first part had not, and a warning says so once."""
+    root, cfg = setup
+    folder, before, after = tmp_path / "run", tmp_path / "before.txt", tmp_path / "after.txt"
+    n, done = 48, 4 * 8  # iteration 10's checkpoint: 4 batches of 8 into train phase 1 (of 6)
+    r = run(cfg, folder, "config.TEST_MODEL=false", "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:10", reads=before)
+    assert r.returncode == -signal.SIGKILL
+    overrides, batch = NEW_GLOBAL_BATCH[change]
+    r = run(cfg, folder, "config.TEST_MODEL=false", *overrides, reads=after)
+    assert r.returncode == 0, r.stderr[-3000:]
+    start, phase_len = done // batch, -(-n // batch)
+    # iterations of phase 1 after the resume: this run's batches start..phase_len (its own phase length)
+    steps = [json.loads(x) for x in (folder / "stdout.json").read_text().splitlines()]
+    assert [s["local_iteration"] for s in steps if s["phase_idx"] == 1 and s["phase_iterations"] == 6] == [1, 2, 3, 4]
+    resumed = [s for s in steps if s["phase_idx"] == 1 and s["phase_iterations"] == phase_len]
+    assert [s["local_iteration"] for s in resumed] == list(range(start + 1, phase_len + 1)), steps
+    assert [s["iteration"] for s in resumed] == list(range(11, 11 + phase_len - start))
+    # every sample of epoch 1 is trained on: 32 before the kill, the rest (and the partial batch again) after
+    first, rest = train_reads(before)[n:], Counter(train_reads(after)) - Counter(range(n))  # after: epoch 2 once
+    assert len(first) == done and sum(rest.values()) == n - start * batch
+    assert set(first) | set(rest) == set(range(n))
+    assert len(set(first) & set(rest)) == done - start * batch  # seen twice: 0, or 8 with batches of 24
+    assert (folder / "model_final_checkpoint_phase2.torch").exists()
+    out = r.stdout + r.stderr
+    line = (f"the checkpoint stopped 4 batches of 8 (32 samples) into train phase 1; this run's global batch is "
+            f"{batch}{' (2 ranks x 8)' if change == 'two_ranks' else ''}: it goes on from batch {start} of {phase_len}")
+    assert out.count(line) == 1, out[-3000:]
+    if done % batch:
+        assert f"{line} (at sample {start * batch}), so {done - start * batch} samples of the phase are seen twice" in out
+    if change == "two_ranks":
+        assert out.count("the checkpoint was written by 1 rank, this run has 2: RNG states are not restored exactly") == 1
+    else:
+        assert "RNG states" not in out
+
+
+def test_resume_after_the_data_changed_size_says_so(setup, tmp_path):
+    root, cfg = setup
+    folder = tmp_path / "run"
+    r = run(cfg, folder, "config.TEST_MODEL=false", "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:10")
+    assert r.returncode == -signal.SIGKILL
+    r = run(cfg, folder, "config.TEST_MODEL=false", "config.DATA.TRAIN.DATA_LIMIT=40")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert ("the checkpoint stopped 4 batches of 8 (32 samples) into train phase 1 (48 samples); this run's train "
+            "data has 40 samples: it goes on from batch 4 of 5, in the new data's order") in out, out[-3000:]
+    steps = [json.loads(x) for x in (folder / "stdout.json").read_text().splitlines()]
+    assert [s["local_iteration"] for s in steps if s["phase_idx"] == 1] == [1, 2, 3, 4, 5]
+    assert (folder / "model_final_checkpoint_phase2.torch").exists()
+
+
+def test_a_checkpoint_without_phase_data_resumes_as_before(setup, reference, tmp_path):
+    """Checkpoints written before phase_data was stored resume at their batch count, bit for bit."""
+    root, cfg = setup
+    data = torch.load(str(reference[0] / "model_iteration8.torch"), map_location="cpu", weights_only=True)
+    assert data["classy_state_dict"].pop("phase_data") == {"global_batch": 8, "num_samples": 48, "batches": 6}
+    assert not data["classy_state_dict"]["phase_complete"]
+    folder = tmp_path / "old"
+    folder.mkdir()
+    torch.save(data, str(folder / "model_iteration8.torch"))
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "resumed from" in out and not re.findall(r"^(?:\[rank \d+\] )?W \d", out, re.M), out[-3000:]
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))

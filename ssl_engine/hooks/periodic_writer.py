@@ -173,8 +173,12 @@ def logged_before(task: Any) -> Callable[[Dict[str, Any]], bool]:
     """Whether a logged iteration's stats (``phase_idx``, ``local_iteration``) come from the part
     of the run that ``task``'s counters say is done: phases before the current one, and in a phase
     resumed in the middle, its first ``local_iteration_num`` steps. At start, with the counters of
-    the checkpoint (or of no checkpoint: nothing is done), what is not done will run again."""
-    phase, in_phase, steps = task.phase_idx, bool(getattr(task, "_resume_in_phase", False)), task.local_iteration_num
+    the checkpoint (or of no checkpoint: nothing is done), what is not done will run again. The
+    steps are counted as the checkpoint counted them (``checkpoint_local_iteration``): lines the
+    run before logged in its own batches stay when this run's batch differs."""
+    phase, in_phase = task.phase_idx, bool(getattr(task, "_resume_in_phase", False))
+    steps = getattr(task, "checkpoint_local_iteration", None)
+    steps = task.local_iteration_num if steps is None else steps
 
     def done(stats: Dict[str, Any]) -> bool:
         try:

@@ -66,6 +66,7 @@ class SelfSupervisionTask(ClassyTask):
         self.train_phase_idx = -1
         self.iteration = 0
         self.local_iteration_num = 0
+        self.checkpoint_local_iteration: Optional[int] = None  # local_iteration_num as the resumed checkpoint had it
         self.train = True
         self.phase_complete = False
         self._resume_in_phase = False
@@ -437,24 +438,85 @@ class SelfSupervisionTask(ClassyTask):
             "hooks": {key: h.get_classy_state() for key, h in self._hook_keys() if _rank_local(h)},
         })
 
-    def _set_rank_local_state(self, state: Dict[str, Any], rank_states: List[Dict[str, Any]]) -> None:
+    def _set_rank_local_state(self, state: Dict[str, Any], rank_states: List[Dict[str, Any]]) -> Optional[str]:
         """Each rank takes back its own meter and hook sums. With more ranks than the checkpoint's,
         the new ranks start from zero (the phase's totals stay exact); with fewer, the sums of the
-        missing ranks are lost for the interrupted phase, which is said in a warning."""
-        if len(rank_states) > self.world_size and not state.get("phase_complete", True) and du.is_primary():
-            log.warning(
-                "the checkpoint was written by %d ranks, this run has %d: the meters and loss of the "
-                "interrupted phase leave out what ranks %d..%d had counted",
-                len(rank_states), self.world_size, self.world_size, len(rank_states) - 1,
-            )
+        missing ranks are lost for the interrupted phase: the returned note says so (for the one
+        warning about the change of world size), else None."""
+        note = None
+        if len(rank_states) > self.world_size and not state.get("phase_complete", True):
+            first, last = self.world_size, len(rank_states) - 1
+            note = (f"the meters and loss of the interrupted phase leave out what "
+                    f"{f'rank {first}' if first == last else f'ranks {first}..{last}'} had counted")
         if self.rank >= len(rank_states):
-            return
+            return note
         own = rank_states[self.rank]
         for m, s in zip(self.meters, own.get("meters", [])):
             m.set_classy_state(s)
         for key, h in self._hook_keys():
             if key in own.get("hooks", {}):
                 h.set_classy_state(own["hooks"][key])
+        return note
+
+    def _phase_data(self, train: bool) -> Dict[str, int]:
+        """What a position in a ``train`` (or test) phase means in samples, for checkpoints: the
+        phase's global batch (BATCHSIZE_PER_REPLICA x world size), the samples of its data and
+        its length in batches. Empty when this task has no such loader."""
+        split = "TRAIN" if train else "TEST"
+        loader = self.dataloaders.get(split)
+        if loader is None or getattr(loader, "batch_size", None) is None:
+            return {}
+        samples = getattr(loader.sampler, "dataset_len", None)
+        return {
+            "global_batch": int(loader.batch_size) * self.world_size,
+            "num_samples": int(samples if samples is not None else len(loader.dataset)),
+            "batches": int(self.batches_per_phase.get(split, len(loader))),
+        }
+
+    def _resume_position(self, state: Dict[str, Any]) -> int:
+        """The batch of the interrupted phase at which this run goes on (``local_iteration_num``).
+
+        The checkpoint counts its position in its own batches. When this run's global batch (per
+        rank batch or number of ranks) or the size of the phase's data differs, the position is
+        converted by samples consumed, rounded down so that no sample of the phase is skipped
+        (those of a partial batch are seen twice), and one warning says so. Ranks stride through
+        one (seed, epoch) permutation, so the first k global batches are the same samples
+        whatever the number of ranks. A checkpoint without ``phase_data`` (written before it was
+        stored) resumes at its batch count as it always did.
+        """
+        local = int(state["local_iteration_num"])
+        old = state.get("phase_data") or {}
+        if state["phase_complete"] or state["phase_idx"] < 0 or not old:
+            return local
+        new = self._phase_data(bool(state["train"]))
+        if not new:
+            return local
+        batch, samples, batches = int(old["global_batch"]), int(old["num_samples"]), int(old["batches"])
+        batch2, samples2, batches2 = new["global_batch"], new["num_samples"], new["batches"]
+        if (batch, samples) == (batch2, samples2):
+            return local  # the same position in samples
+        if local >= batches:
+            return batches2  # the phase had used up its data: it ends at once, as it would have
+        done = min(local * batch, samples)
+        start = batches2 if done >= samples2 else min(done // batch2, batches2)
+        if du.is_primary():
+            kind = "train" if state["train"] else "test"
+            where = (f"the checkpoint stopped {local} batches of {batch} ({done} samples) into "
+                     f"{kind} phase {state['phase_idx']}")
+            per_rank = new["global_batch"] // self.world_size
+            ranks = f" ({self.world_size} ranks x {per_rank})" if self.world_size > 1 else ""
+            goes_on = f"it goes on from batch {start} of {batches2}" if start < batches2 else "the phase ends there"
+            if samples2 != samples:
+                again = ", in the new data's order (some samples of this phase may be skipped or seen twice)"
+                msg = (f"{where} ({samples} samples); this run's {kind} data has {samples2} samples"
+                       + (f" and its global batch is {batch2}{ranks}" if batch2 != batch else "")
+                       + f": {goes_on}" + (again if start < batches2 else ""))
+            else:
+                twice = done - start * batch2
+                msg = (f"{where}; this run's global batch is {batch2}{ranks}: {goes_on}"
+                       + (f" (at sample {start * batch2}), so {twice} samples of the phase are seen twice" if twice else ""))
+            log.warning("%s", msg)
+        return start
 
     def get_classy_state(self, deep_copy: bool = False) -> Dict[str, Any]:
         """Everything a resumed run needs to continue bit for bit.
@@ -475,6 +537,7 @@ class SelfSupervisionTask(ClassyTask):
             "iteration": self.iteration,
             "num_updates": self.iteration,
             "local_iteration_num": self.local_iteration_num,
+            "phase_data": self._phase_data(self.train) if self.phase_idx >= 0 else {},
             "phase_complete": self.phase_complete,
             "num_phases": len(self.phases),
             "base_model": self.model_state(),
@@ -507,8 +570,9 @@ class SelfSupervisionTask(ClassyTask):
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         rank_states = state.get("rank_states")
+        lost = None
         if rank_states:
-            self._set_rank_local_state(state, rank_states)
+            lost = self._set_rank_local_state(state, rank_states)
         else:
             for m, s in zip(self.meters, state.get("meters", [])):
                 m.set_classy_state(s)
@@ -521,15 +585,20 @@ class SelfSupervisionTask(ClassyTask):
         self.phase_idx = state["phase_idx"]
         self.train_phase_idx = state["train_phase_idx"]
         self.iteration = state["iteration"]
-        self.local_iteration_num = state["local_iteration_num"]
+        rng = state.get("rng") or []
+        old_world = int(state.get("world_size", 1))
+        if old_world != self.world_size and du.is_primary():  # one warning for all ranks
+            notes = (["RNG states are not restored exactly"] if rng else []) + ([lost] if lost else [])
+            if notes:
+                log.warning("the checkpoint was written by %d rank%s, this run has %d: %s", old_world,
+                            "" if old_world == 1 else "s", self.world_size, ", and ".join(notes))
+        # the checkpoint's count: its log lines up to there are kept (see periodic_writer.logged_before)
+        self.checkpoint_local_iteration = int(state["local_iteration_num"])
+        self.local_iteration_num = self._resume_position(state)
         self.train = state["train"]
         self.phase_complete = state["phase_complete"]
         self._resume_in_phase = not self.phase_complete and self.phase_idx >= 0
-        rng = state.get("rng") or []
         if rng:
-            if state.get("world_size", 1) != self.world_size:
-                log.warning("the checkpoint was written by %d ranks, this run has %d: RNG states are not restored exactly",
-                            state.get("world_size", 1), self.world_size)
             set_rng_state(rng[self.rank % len(rng)])
 
 

@@ -643,6 +643,15 @@ def loads_head_weights(model_cfg: Any) -> bool:
     return not fe.EVAL_MODE_ON or bool(fe.EVAL_TRUNK_AND_HEAD)
 
 
+def heads_not_set(report: Dict[str, List[str]], model_cfg: Any) -> Optional[str]:
+    """For an :func:`init_model_from_weights` report: None when the file set a head weight, else
+    why the heads keep their random init, as the end of a warning ('' when the file has none)."""
+    if any(k.startswith("heads.") for k in report["loaded"]):
+        return None
+    return "" if loads_head_weights(model_cfg) else (
+        ": config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON loads the file's heads only with EVAL_TRUNK_AND_HEAD=true")
+
+
 def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str, List[str]]:
     """Load MODEL.WEIGHTS_INIT.PARAMS_FILE into ``model``; return loaded/missing/unexpected names.
 

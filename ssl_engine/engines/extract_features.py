@@ -99,16 +99,12 @@ def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:
     """Put the weights to extract into ``task.base_model``; returns where they came from."""
     cfg = task.config
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
-        from ssl_engine.checkpoint import init_model_from_weights, loads_head_weights
+        from ssl_engine.checkpoint import heads_not_set, init_model_from_weights
 
-        report = init_model_from_weights(task.base_model, cfg.MODEL)
-        if getattr(task.base_model, "extracts_head_output", False) and not any(k.startswith("heads.") for k in report["loaded"]):
-            log.warning(
-                "extracting the output of heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set (random "
-                "init)%s; set EXTRACT_TRUNK_FEATURES_ONLY=true for trunk features",
-                "" if loads_head_weights(cfg.MODEL) else
-                ": config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON loads the file's heads only with EVAL_TRUNK_AND_HEAD=true",
-            )
+        why = heads_not_set(init_model_from_weights(task.base_model, cfg.MODEL), cfg.MODEL)
+        if why is not None and getattr(task.base_model, "extracts_head_output", False):
+            log.warning("extracting the output of heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set (random "
+                        "init)%s; set EXTRACT_TRUNK_FEATURES_ONLY=true for trunk features", why)
         return str(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)
     if checkpoint_path:
         data = load_checkpoint(Path(checkpoint_path))

@@ -52,7 +52,8 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
         failed_at = time.time()
         from ssl_engine.data.loader import unsent_batch_error
 
-        user_error = unsent_batch_error(e) or file_system_error(e)  # a loader worker's account of why it ended
+        # a loader worker's own account of why it ended, or a file the user's setup made unusable
+        user_error = unsent_batch_error(e) or file_system_error(e)
         if user_error is not None:
             raise user_error from None
         raise

@@ -198,18 +198,14 @@ class SelfSupervisionTask(ClassyTask):
 
     def init_weights(self) -> None:
         """MODEL.WEIGHTS_INIT for a new run (never called when resuming)."""
-        from ssl_engine.checkpoint import init_model_from_weights, loads_head_weights
+        from ssl_engine.checkpoint import heads_not_set, init_model_from_weights
 
         if not self.config.MODEL.WEIGHTS_INIT.PARAMS_FILE:
             return
-        report = init_model_from_weights(self.base_model, self.config.MODEL)
+        why = heads_not_set(init_model_from_weights(self.base_model, self.config.MODEL), self.config.MODEL)
         heads = getattr(self.base_model, "heads", None)
-        if self.config.TEST_ONLY and heads is not None and len(heads) and not any(k.startswith("heads.") for k in report["loaded"]):
-            log.warning(
-                "config.TEST_ONLY tests heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set (random init)%s",
-                "" if loads_head_weights(self.config.MODEL) else
-                ": config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON loads the file's heads only with EVAL_TRUNK_AND_HEAD=true",
-            )
+        if why is not None and self.config.TEST_ONLY and heads is not None and len(heads):
+            log.warning("config.TEST_ONLY tests heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set (random init)%s", why)
 
     def wrap_distributed(self) -> None:
         """Wrap the model in DistributedDataParallel when several ranks train it."""

@@ -364,3 +364,53 @@ def test_swav_resumed_from_a_mid_phase_checkpoint_equals_the_straight_run(swav_r
 
     assert_bitwise_equal(state(swav_run), state(resumed))
     assert [m["train_loss"] for m in _metrics(swav_run)] == [m["train_loss"] for m in _metrics(resumed)]
+
+
+# ----------------------------------------------------------------------------- two ranks
+def _two_rank_worker(rank, init_file, scores, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        half = scores.shape[0] // 2
+        out[rank] = sinkhorn_knopp(scores[rank * half:(rank + 1) * half], 0.05, 3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sinkhorn_over_two_ranks_equals_one_process_over_the_global_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(8)
+    scores = torch.randn(16, 5)
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), scores, out), nprocs=2)
+    together = torch.cat([out[0], out[1]])
+    assert torch.allclose(together, sinkhorn_knopp(scores, 0.05, 3), atol=1e-6)
+    # each rank alone would balance its own half: not the same
+    assert not torch.allclose(together, torch.cat([sinkhorn_knopp(s, 0.05, 3) for s in scores.split(8)]), atol=1e-4)
+
+
+def test_two_ranks_resume_each_ranks_queue(tmp_path):
+    """Each rank keeps its own queue: a 2-rank run resumed mid-phase gives the straight 2-rank run."""
+    two = [*SMALL, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2",
+           "config.OPTIMIZER.num_epochs=1"]  # 4 steps, queue of 8 per rank from step 2
+    straight = tmp_path / "straight"
+    r = run_tool([QUICK, f"config.CHECKPOINT.DIR={straight}", *two])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = torch.load(str(straight / "model_iteration3.torch"), map_location="cpu", weights_only=True)["classy_state_dict"]
+    queues = [s["loss"]["local_emb_queue"] for s in ck["rank_states"]]
+    assert [tuple(q.shape) for q in queues] == [(2, 8, 32), (2, 8, 32)] and not torch.equal(queues[0], queues[1])
+    resumed = tmp_path / "resumed"
+    r = run_tool([QUICK, f"config.CHECKPOINT.DIR={resumed}", *two,
+                  f"config.CHECKPOINT.RESUME_FROM={straight / 'model_iteration3.torch'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def final(folder):
+        ck = torch.load(str(folder / "model_final_checkpoint_phase0.torch"), map_location="cpu",
+                        weights_only=True)["classy_state_dict"]
+        return {"model": ck["base_model"], "ranks": [s["loss"] for s in ck["rank_states"]]}
+
+    assert_bitwise_equal(final(straight), final(resumed))
+    assert _metrics(straight)[0]["train_loss"] == _metrics(resumed)[0]["train_loss"]

@@ -490,6 +490,9 @@ def validate(
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
     check_ranges(without_unextracted_splits(cfg))
+    from ssl_engine.config.infer import infer_settings
+
+    infer_settings(cfg, defaults["config"])
     if warn_unused:
         for key in walker.compat_set:
             log.warning("config key %s is accepted for VISSL configs but not acted on by ssl_engine", key)
@@ -783,6 +786,9 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
         check_labels_given(build_cfg, splits, loss, meters or [])
     if model is None:
         return
+    check_model = getattr(loss, "check_model", None)
+    if cfg.engine_name == "train" and callable(check_model):
+        _checked("the loss against the model", check_model, model)  # e.g. swav_loss against the swav_head
     if cfg.engine_name == "train":
         from ssl_engine.models.label_range import check_dataset_labels
 

@@ -107,15 +107,29 @@ def default_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _per_view(values: Sequence[Any], num_views: int, key: str) -> List[Any]:
+def _per_view(values: Sequence[Any], num_views: int, key: str, collator: str = "simclr_collator") -> List[Any]:
     if len(values) == num_views:
         return list(values)
     if len(values) == 1:
         return list(values) * num_views
     raise UserError(
-        f"simclr_collator: a sample has {num_views} views but {len(values)} {key!r} entries; "
+        f"{collator}: a sample has {num_views} views but {len(values)} {key!r} entries; "
         f"expected one per view or a single one"
     )
+
+
+def _view_major_ints(batch: List[Dict[str, Any]], num_views: int, collator: str) -> Dict[str, Any]:
+    """``label``, ``data_valid`` and ``data_idx`` as one LongTensor each, view-major (all samples'
+    view 0, then view 1, ...), the row order of the collated views."""
+    out: Dict[str, Any] = {}
+    for key in ("label", "data_valid", "data_idx"):
+        if key in batch[0]:
+            if len(batch[0][key]) == 0:
+                out[key] = []
+                continue
+            per_sample = [_per_view(s[key], num_views, key, collator) for s in batch]
+            out[key] = [_ints([per_sample[i][v] for v in range(num_views) for i in range(len(batch))])]
+    return out
 
 
 @COLLATORS.register("simclr_collator")
@@ -137,13 +151,35 @@ def simclr_collator(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {
         "data": [_stack([s["data"][v] for v in range(num_views) for s in batch], "simclr views")]
     }
-    for key in ("label", "data_valid", "data_idx"):
-        if key in batch[0]:
-            if len(batch[0][key]) == 0:
-                out[key] = []
-                continue
-            per_sample = [_per_view(s[key], num_views, key) for s in batch]
-            out[key] = [_ints([per_sample[i][v] for v in range(num_views) for i in range(len(batch))])]
+    out.update(_view_major_ints(batch, num_views, "simclr_collator"))
+    out.update(_extra_keys(batch))
+    return out
+
+
+@COLLATORS.register("multicrop_collator")
+def multicrop_collator(batch: List[Dict[str, Any]], create_multidimensional_tensor: bool = False) -> Dict[str, Any]:
+    """SwAV's multi-crop batches: ``data = [[crop 0 of every sample, crop 1 of every sample, ...]]``.
+
+    Each sample holds C crops (``ImgPilToMultiCrop``), possibly of several sizes (2x224 + 6x96).
+    Crop ``c`` of the N samples is stacked into one ``N x C x H x W`` tensor, so the list has C
+    tensors in crop order; the model runs each run of equally sized crops through the trunk at
+    once and concatenates the features, so the rows of its output are crop-major (all samples'
+    crop 0, then crop 1, ...), the order ``swav_loss`` expects. ``label``, ``data_valid`` and
+    ``data_idx`` are repeated in the same order (one LongTensor of length C*N each), as VISSL does.
+
+    ``create_multidimensional_tensor`` (VISSL's option) must stay false: the model groups crops
+    by resolution itself.
+    """
+    if create_multidimensional_tensor:
+        raise UserError(
+            "config.DATA.<split>.COLLATE_FUNCTION_PARAMS: multicrop_collator's create_multidimensional_tensor=true "
+            "is not supported (the model groups the crops by resolution itself); leave it out"
+        )
+    if not batch:
+        raise ValueError("multicrop_collator got an empty batch")
+    num_crops = _num_entries(batch, "data")
+    out: Dict[str, Any] = {"data": [[_stack([s["data"][c] for s in batch], f"crop {c}") for c in range(num_crops)]]}
+    out.update(_view_major_ints(batch, num_crops, "multicrop_collator"))
     out.update(_extra_keys(batch))
     return out
 

@@ -12,6 +12,7 @@ from ssl_engine.config.attr_dict import AttrDict
 # Importing the loss modules registers their losses.
 from ssl_engine.losses.cross_entropy import CrossEntropyLoss, CrossEntropyMultipleOutputSingleTargetLoss
 from ssl_engine.losses.simclr_info_nce import SimclrInfoNCELoss
+from ssl_engine.losses.swav_loss import SwAVLoss, sinkhorn_knopp
 from ssl_engine.registry import LOSSES
 
 
@@ -32,4 +33,6 @@ __all__ = [
     "CrossEntropyLoss",
     "CrossEntropyMultipleOutputSingleTargetLoss",
     "SimclrInfoNCELoss",
+    "SwAVLoss",
+    "sinkhorn_knopp",
 ]

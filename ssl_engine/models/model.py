@@ -326,7 +326,8 @@ class SSLModel(nn.Module):
         return feats
 
     def forward(self, batch: Batch) -> List[torch.Tensor]:
-        """Model outputs as a list: one tensor in training, one per mapped layer in linear evaluation."""
+        """Model outputs as a list: one tensor in training (or the list a head returns, e.g. swav_head's
+        ``[embedding, scores_0, ...]``), one per mapped layer in linear evaluation."""
         if self.linear_eval_mode:
             if self.trunk_features_only or len(self.heads) == 0:
                 return self._pooled_features(batch, self._settings["SHOULD_FLATTEN_FEATS"])
@@ -338,7 +339,8 @@ class SSLModel(nn.Module):
         out = feats[0]
         for head in self.heads:
             out = head(out)
-        return [out]
+        # a head with several outputs (swav_head: embedding, prototype scores) gives them as a list
+        return list(out) if isinstance(out, (list, tuple)) else [out]
 
     @property
     def extracts_head_output(self) -> bool:

@@ -288,6 +288,8 @@ class SelfSupervisionTask(ClassyTask):
                 m.reset()
         self.phase_complete = False
         self.base_model.train(self.train)
+        if self.loss is not None:
+            self.loss.train(self.train)  # a loss with state (swav_loss's queue) updates it in train phases only
         if self.train and self.optimizer is not None and self.optimizer.update_interval == "epoch":
             self.optimizer.set_where(self.train_phase_idx / self.config.OPTIMIZER.num_epochs)
         self.recreate_data_iterator(self.phase_type, max(self.train_phase_idx, 0), start_iter)
@@ -428,11 +430,15 @@ class SelfSupervisionTask(ClassyTask):
     def _rank_local_state(self) -> Dict[str, Any]:
         """What differs between ranks within a phase and must return to each rank on resume:
         the meters' counts (summed over ranks only at the phase end) and the state of hooks
-        that keep per-rank sums (``rank_local_state = True``, e.g. MetricsHook's loss sum)."""
-        return _to_cpu({
+        that keep per-rank sums (``rank_local_state = True``, e.g. MetricsHook's loss sum), and
+        the state of a loss marked the same way (swav_loss's per-rank queue)."""
+        local = {
             "meters": [m.get_classy_state() for m in self.meters],
             "hooks": {key: h.get_classy_state() for key, h in self._hook_keys() if _rank_local(h)},
-        })
+        }
+        if self.loss is not None and _rank_local(self.loss):
+            local["loss"] = self.loss.state_dict()
+        return _to_cpu(local)
 
     def _set_rank_local_state(self, state: Dict[str, Any], rank_states: List[Dict[str, Any]]) -> Optional[str]:
         """Each rank takes back its own meter and hook sums. With more ranks than the checkpoint's,
@@ -447,6 +453,8 @@ class SelfSupervisionTask(ClassyTask):
         if self.rank >= len(rank_states):
             return note
         own = rank_states[self.rank]
+        if self.loss is not None and own.get("loss"):
+            self.loss.load_state_dict(own["loss"])
         for m, s in zip(self.meters, own.get("meters", [])):
             m.set_classy_state(s)
         for key, h in self._hook_keys():

@@ -7,5 +7,6 @@ model can check them against the trunk layer they read before any data is seen.
 
 from ssl_engine.models.heads.eval_mlp import LinearEvalMLPHead
 from ssl_engine.models.heads.mlp import MLPHead, head_bn_kwargs
+from ssl_engine.models.heads.swav_head import SwAVHead, find_swav_head
 
-__all__ = ["LinearEvalMLPHead", "MLPHead", "head_bn_kwargs"]
+__all__ = ["LinearEvalMLPHead", "MLPHead", "SwAVHead", "find_swav_head", "head_bn_kwargs"]

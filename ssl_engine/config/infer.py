@@ -1,0 +1,114 @@
+"""Values VISSL infers from other keys, so that VISSL's yaml files mean the same here.
+
+Run at the end of validation, on the plain config dict (no torch needed), so that every rank,
+the pre-launch checks and ``train_config.yaml`` see the inferred values.
+
+``swav_loss`` (as VISSL's ``infer_losses_config``): ``num_crops`` from the TRAIN transforms
+(``ImgPilToMultiCrop``'s ``total_num_crops``, or ``ImgReplicatePil``'s ``num_times``),
+``num_prototypes`` and ``embedding_dim`` from the swav_head's ``num_clusters`` and ``dims[-1]``,
+each when the yaml left it at its default; one set to another value that contradicts the
+source is an error naming both keys (VISSL overwrites it silently). ``queue.queue_length`` is
+rounded down to a multiple of the global batch and ``queue.local_queue_length`` set to its
+share per rank, as VISSL does.
+"""
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+from ssl_engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+KEY = "config.LOSS.swav_loss"
+
+
+def _swav_head(cfg: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """(config key, params) of the swav_head the model ends with, or None."""
+    params = ((cfg.get("MODEL") or {}).get("HEAD") or {}).get("PARAMS") or []
+    if not isinstance(params, list) or not params:
+        return None
+    where, last = f"config.MODEL.HEAD.PARAMS[{len(params) - 1}]", params[-1]
+    if isinstance(last, (list, tuple)) and last and isinstance(last[0], (list, tuple)):
+        where, last = f"{where}[{len(last) - 1}]", last[-1]  # a chain of stages: its last one
+    if (
+        isinstance(last, (list, tuple)) and len(last) == 2 and last[0] in ("swav_head", "swav_head_fsdp")
+        and isinstance(last[1], dict)
+    ):
+        return where, last[1]
+    return None
+
+
+def _crops_per_image(cfg: Dict[str, Any]) -> Optional[Tuple[str, int]]:
+    """(where it is set, number of views) the TRAIN transforms give each image, or None."""
+    found = None
+    transforms = ((cfg.get("DATA") or {}).get("TRAIN") or {}).get("TRANSFORMS") or []
+    for i, t in enumerate(transforms if isinstance(transforms, list) else []):
+        if not isinstance(t, dict):
+            continue
+        where = f"config.DATA.TRAIN.TRANSFORMS[{i}] ({t.get('name')})"
+        if t.get("name") == "ImgPilToMultiCrop" and isinstance(t.get("total_num_crops"), int):
+            found = (f"{where}.total_num_crops", t["total_num_crops"])
+        elif t.get("name") == "ImgReplicatePil" and isinstance(t.get("num_times", 2), int):
+            found = (f"{where}.num_times", t.get("num_times", 2))
+    return found
+
+
+def _take(sw: Dict[str, Any], default: Dict[str, Any], key: str, value: Any, source: str) -> None:
+    """Set ``sw[key]`` to ``value`` (from ``source``) when it holds its default; a different
+    value given on purpose must agree."""
+    if sw.get(key) == default.get(key):
+        sw[key] = value
+    elif sw.get(key) != value:
+        raise ConfigError(
+            f"{KEY}.{key}={sw.get(key)!r} contradicts {source}={value!r}; make them equal, or leave "
+            f"{KEY}.{key} out to take it from there"
+        )
+
+
+def infer_swav_loss(cfg: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """Fill ``config.LOSS.swav_loss`` from the head, the transforms and the batch (in place)."""
+    loss = cfg.get("LOSS") or {}
+    if loss.get("name") != "swav_loss" or not isinstance(loss.get("swav_loss"), dict):
+        return
+    sw, default = loss["swav_loss"], defaults["LOSS"]["swav_loss"]
+    head = _swav_head(cfg)
+    if head is not None:
+        where, params = head
+        clusters = params.get("num_clusters")
+        if isinstance(clusters, int) and not isinstance(clusters, bool):
+            clusters = [clusters]
+        if isinstance(clusters, list):
+            _take(sw, default, "num_prototypes", clusters, f"{where}.num_clusters")
+        dims = params.get("dims")
+        if isinstance(dims, list) and dims and isinstance(dims[-1], int):
+            _take(sw, default, "embedding_dim", dims[-1], f"{where}.dims[-1]")
+    crops = _crops_per_image(cfg)
+    if crops is not None:
+        _take(sw, default, "num_crops", crops[1], crops[0])
+    queue = sw.get("queue")
+    if not isinstance(queue, dict):
+        return
+    dist = cfg.get("DISTRIBUTED") or {}
+    try:
+        world = max(1, int(dist.get("NUM_NODES", 1)) * int(dist.get("NUM_PROC_PER_NODE", 1)))
+        global_batch = int(cfg["DATA"]["TRAIN"]["BATCHSIZE_PER_REPLICA"]) * world
+        length = int(queue.get("queue_length", 0))
+    except (KeyError, TypeError, ValueError):
+        return
+    if length > 0 and global_batch > 0:
+        rounded = length - length % global_batch
+        if rounded != length:
+            log.warning("%s.queue.queue_length=%d is rounded down to %d, a multiple of the global batch %d%s",
+                        KEY, length, rounded, global_batch, " (no queue)" if rounded == 0 else "")
+        queue["queue_length"] = rounded
+        queue["local_queue_length"] = rounded // world
+    else:
+        queue["local_queue_length"] = 0
+
+
+def infer_settings(cfg: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """Every inference of this module, on the validated ``config`` node (in place)."""
+    infer_swav_loss(cfg, defaults)
+
+
+__all__: List[str] = ["infer_settings", "infer_swav_loss"]

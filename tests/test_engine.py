@@ -218,11 +218,67 @@ def test_phases_follow_test_every_num_epoch_and_test_only(tmp_path):
     from ssl_engine.tasks.self_supervision_task import build_phases
 
     cfg = compose(TINY + ["config.OPTIMIZER.num_epochs=5", "config.TEST_EVERY_NUM_EPOCH=2"])
-    assert [p["train"] for p in build_phases(cfg)] == [True, True, False, True, True, False, True, False]
+    # VISSL's placement: a test after train phases 0, 2, 4 (idx % N == 0) and after the last
+    assert [p["train"] for p in build_phases(cfg)] == [True, False, True, True, False, True, True, False]
+    cfg = compose(TINY + ["config.OPTIMIZER.num_epochs=4", "config.TEST_EVERY_NUM_EPOCH=3"])
+    assert [p["train"] for p in build_phases(cfg)] == [True, False, True, True, True, False]
     cfg = compose(TINY + ["config.TEST_MODEL=false"])
     assert [p["train"] for p in build_phases(cfg)] == [True, True]
     cfg = compose(TINY + ["config.TEST_ONLY=true"])
     assert [p["train"] for p in build_phases(cfg)] == [False]
+
+
+def _phase_walk(task):
+    """(phase_idx, train, train_phase_idx) of each phase the task still enters, without running them."""
+    seen = []
+    while not task.done_training():
+        if task._resume_in_phase:
+            task._resume_in_phase = False
+        else:
+            task.phase_idx += 1
+            task.train = task.phases[task.phase_idx]["train"]
+            task.train_phase_idx += task.train
+        seen.append((task.phase_idx, task.train, task.train_phase_idx))
+        task.phase_complete = True
+    return seen
+
+
+@pytest.mark.parametrize("first, second, expect", [
+    # checkpoint after train phase 1 of [T E T E T E]; resumed without test phases: [T T T]
+    (["config.OPTIMIZER.num_epochs=3"], ["config.OPTIMIZER.num_epochs=3", "config.TEST_MODEL=false"],
+     [(2, True, 2)]),
+    # checkpoint after train phase 1 of [T T T]; resumed with tests: [T E T E T E]
+    (["config.OPTIMIZER.num_epochs=3", "config.TEST_MODEL=false"], ["config.OPTIMIZER.num_epochs=3"],
+     [(3, False, 1), (4, True, 2), (5, False, 2)]),
+    # same, resumed with TEST_EVERY_NUM_EPOCH=2: [T E T T E]; no test after train phase 1 there
+    (["config.OPTIMIZER.num_epochs=3", "config.TEST_MODEL=false"],
+     ["config.OPTIMIZER.num_epochs=3", "config.TEST_EVERY_NUM_EPOCH=2"], [(3, True, 2), (4, False, 2)]),
+])
+def test_resume_finds_the_checkpoints_phase_when_the_phase_list_changed(tmp_path, first, second, expect):
+    """A checkpoint's phase_idx counts the phases of the run that wrote it; a resumed run whose
+    phase list differs goes on after the same train phase, never skipping or repeating an epoch."""
+    task = tiny_task(tmp_path / "a", *first)
+    while task.train_phase_idx < 1 or not task.train:  # up to the end of train phase 1
+        run_phase(task)
+    state = task.get_classy_state()
+    assert state["train"] and state["train_phase_idx"] == 1 and state["phase_complete"]
+    resumed = tiny_task(tmp_path / "b", *second)
+    resumed.set_classy_state(state)
+    assert _phase_walk(resumed) == expect
+
+
+def test_resume_drops_an_interrupted_test_phase_the_new_config_lacks(tmp_path, caplog):
+    task = tiny_task(tmp_path / "a", "config.OPTIMIZER.num_epochs=2")
+    run_phase(task)  # train phase 0
+    task.advance_phase()  # into the test phase after it, interrupted after one batch
+    task.train_step_fn(task)
+    state = task.get_classy_state()
+    assert not state["train"] and not state["phase_complete"] and state["phase_idx"] == 1
+    resumed = tiny_task(tmp_path / "b", "config.OPTIMIZER.num_epochs=2", "config.TEST_MODEL=false")
+    with caplog.at_level("WARNING"):
+        resumed.set_classy_state(state)
+    assert "does not have" in caplog.text
+    assert _phase_walk(resumed) == [(1, True, 1)]  # train phase 1 next: phase 0 is not trained again
 
 
 def test_train_phase_updates_and_test_phase_does_not(tmp_path):

@@ -10,7 +10,7 @@ import contextlib
 import inspect
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from classy_vision.tasks.classy_task import ClassyTask
@@ -31,7 +31,9 @@ def build_task(config: AttrDict) -> "SelfSupervisionTask":
 
 
 def build_phases(config: AttrDict) -> List[Dict[str, bool]]:
-    """Train phases from OPTIMIZER.num_epochs, a test phase after every TEST_EVERY_NUM_EPOCH.
+    """Train phases from OPTIMIZER.num_epochs, with a test phase after train phases 0, N, 2N, ...
+    and after the last one (N = TEST_EVERY_NUM_EPOCH; VISSL's placement, so metrics.json lines up
+    with a VISSL run's and a VISSL checkpoint's phase_idx means the same phase here).
 
     TEST_ONLY gives one test phase. Test phases need DATA.TEST.DATA_SOURCES.
     """
@@ -49,7 +51,7 @@ def build_phases(config: AttrDict) -> List[Dict[str, bool]]:
     n, every = config.OPTIMIZER.num_epochs, config.TEST_EVERY_NUM_EPOCH
     for epoch in range(n):
         phases.append({"train": True})
-        if test and ((epoch + 1) % every == 0 or epoch == n - 1):
+        if test and (epoch % every == 0 or epoch == n - 1):  # VISSL's rule: after epochs 0, N, 2N, ... and the last
             phases.append({"train": False})
     return phases
 
@@ -477,6 +479,40 @@ class SelfSupervisionTask(ClassyTask):
             "batches": int(self.batches_per_phase.get(split, len(loader))),
         }
 
+    def _resume_phase_idx(self, state: Dict[str, Any]) -> Tuple[int, bool]:
+        """(index in this config's phases of the checkpoint's phase, whether it is that same phase).
+
+        The checkpoint's ``phase_idx`` counts the phases of the run that wrote it. When this
+        config's phase list differs (TEST_MODEL, TEST_EVERY_NUM_EPOCH or num_epochs changed, or a
+        checkpoint of a run that placed its test phases by another rule) that index may name
+        another phase here, so the position is found by what the phase was: train phase
+        ``train_phase_idx``, or the test phase after it. A test phase this config does not have
+        is dropped: the run goes on after that train phase (with a warning when it was
+        interrupted), so no epoch is skipped or trained twice.
+        """
+        old, k, train = int(state["phase_idx"]), int(state["train_phase_idx"]), bool(state["train"])
+        if old < 0:
+            return old, True
+        trains = [i for i, p in enumerate(self.phases) if p["train"]]
+        if train:
+            if k < len(trains):
+                return trains[k], True
+        else:
+            start = trains[k] + 1 if 0 <= k < len(trains) else 0 if k < 0 else len(self.phases)
+            end = trains[k + 1] if 0 <= k + 1 < len(trains) else len(self.phases)
+            tests = [i for i in range(start, end) if not self.phases[i]["train"]]
+            if tests:
+                return tests[0], True
+        # the phase is not in this config: stand at the end of train phase k (or of the run)
+        at = trains[k] if 0 <= k < len(trains) else len(self.phases) - 1 if k >= len(trains) else -1
+        if not state["phase_complete"] and du.is_primary():
+            log.warning(
+                "the checkpoint stopped in a %s phase (after train phase %d) that this config does not have "
+                "(TEST_MODEL / TEST_EVERY_NUM_EPOCH / num_epochs differ): going on from the next phase",
+                "train" if train else "test", k,
+            )
+        return at, False
+
     def _resume_position(self, state: Dict[str, Any]) -> int:
         """The batch of the interrupted phase at which this run goes on (``local_iteration_num``).
 
@@ -586,7 +622,7 @@ class SelfSupervisionTask(ClassyTask):
                 h.set_classy_state(hook_states[key])
         if self.grad_scaler is not None and state.get("amp"):
             self.grad_scaler.load_state_dict(state["amp"])
-        self.phase_idx = state["phase_idx"]
+        self.phase_idx, in_phase = self._resume_phase_idx(state)
         self.train_phase_idx = state["train_phase_idx"]
         self.iteration = state["iteration"]
         rng = state.get("rng") or []
@@ -599,8 +635,8 @@ class SelfSupervisionTask(ClassyTask):
         # the checkpoint's count: its log lines up to there are kept (see periodic_writer.logged_before)
         self.checkpoint_local_iteration = int(state["local_iteration_num"])
         self.local_iteration_num = self._resume_position(state)
-        self.train = state["train"]
-        self.phase_complete = state["phase_complete"]
+        self.train = state["train"] if in_phase else self.phases[self.phase_idx]["train"] if self.phase_idx >= 0 else True
+        self.phase_complete = state["phase_complete"] or not in_phase
         self._resume_in_phase = not self.phase_complete and self.phase_idx >= 0
         if rng:
             set_rng_state(rng[self.rank % len(rng)])

@@ -111,6 +111,20 @@ ROWS: List[Row] = [
       ("unknown transform 'ToTensr'", "did you mean 'ToTensor'"), tool=False),
     R("unknown-engine", ("engine_name=trian",), ("unknown engine 'trian'", "known: extract_features, train"),
     tool=False),
+    # a VISSL config of a method this engine lacks names several parts: all of them in one line
+    R("unknown-parts-together", ("config.MODEL.HEAD.PARAMS=[[siamese_concat_view,{num_towers:9}]]",
+                                 "config.DATA.TRAIN.COLLATE_FUNCTION=siamese_collator",
+                                 "config.DATA.TRAIN.TRANSFORMS=[{name:ToTensor},{name:ShuffleImgPatches}]"),
+      ("this config names 3 parts that are not registered", "head 'siamese_concat_view' (config.MODEL.HEAD.PARAMS[0][0])",
+       "collator 'siamese_collator' (config.DATA.TRAIN.COLLATE_FUNCTION)",
+       "transform 'ShuffleImgPatches' (config.DATA.TRAIN.TRANSFORMS[1].name)", "known heads: eval_mlp, mlp",
+       "known collators:", "config.USER_MODULES"), tool=False),
+    # a stray key in the options of a VISSL loss this engine lacks says that the loss is missing,
+    # not which key of another loss is closest
+    R("stray-key-of-unimplemented-loss", ("config.LOSS.nce_loss_with_memory.ignore_index=-1",),
+      ("unknown config key config.LOSS.nce_loss_with_memory.ignore_index",
+       "config.LOSS.nce_loss_with_memory holds the options of VISSL's loss 'nce_loss_with_memory', which ssl_engine "
+       "does not implement")),
     # -- data ---------------------------------------------------------------------------------------
     R("missing-data-paths", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS", "disk_folder")),

@@ -10,10 +10,10 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import ConfigError, closest
+from ssl_engine.errors import ConfigError, UserError, closest
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,30 @@ def unknown_key_message(key: str, known: Iterable[str], added_hint: bool = True)
         siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
         shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
         hint = f" (keys under {parent or 'the top level'}: {shown})" if siblings else ""
+    unacted = _compat_ancestor(key)
+    if unacted:
+        # e.g. a stray key in the options of a VISSL loss this engine lacks: say that first (the
+        # closest keys of other sections lead nowhere, and fixing the key only leads to "unknown loss")
+        if unacted.count(".") == 2 and unacted.startswith("config.LOSS."):
+            hint = (f" ({unacted} holds the options of VISSL's loss {unacted.split('.')[2]!r}, which ssl_engine "
+                    f"does not implement; its keys are accepted but not acted on)")
+        else:
+            hint = f" ({unacted} is accepted for VISSL configs but not acted on by ssl_engine)"
     if key.startswith("config.config."):
         hint += "; the experiment file probably lacks its first line '# @package _global_'"
     elif added_hint:
         hint += f"; to add a key of your own use +{key}=..."
     return f"unknown config key {key}{hint}"
+
+
+def _compat_ancestor(key: str) -> Optional[str]:
+    """The nearest section above ``key`` marked [compat] in defaults.yaml, or None."""
+    marked = compat_keys()
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 1, -1):
+        if ".".join(parts[:n]) in marked:
+            return ".".join(parts[:n])
+    return None
 
 
 def compat_keys(defaults_file: Optional[Path] = None) -> Set[str]:
@@ -516,7 +535,7 @@ def warn_unread_dataset_names(cfg: Dict[str, Any], default_data: Dict[str, Any])
             )
 
 
-def _lookup(registry: Any, key: str, name: Any) -> None:
+def _lookup_one(registry: Any, key: str, name: Any) -> None:
     """``registry.get(name)``, with a ConfigError when the name is not text at all."""
     if not isinstance(name, str):
         raise ConfigError(f"{key}={show_value(name)} must be a name ({registry.kind}), got {_type_name(name)}")
@@ -524,7 +543,35 @@ def _lookup(registry: Any, key: str, name: Any) -> None:
 
 
 def check_registered_names(cfg: AttrDict) -> None:
-    """Every name the config gives a registry must be registered (after USER_MODULES import)."""
+    """Every name the config gives a registry must be registered (after USER_MODULES import).
+
+    All unknown names are reported together (one line): a VISSL config for a method this engine
+    lacks names several parts (head, collator, transforms), and one per run would send the user
+    round the loop once for each.
+    """
+    unknown: List[Tuple[Any, str, str]] = []  # (registry, config key, name)
+
+    def _lookup(registry: Any, key: str, name: Any) -> None:
+        if not isinstance(name, str):
+            _lookup_one(registry, key, name)  # not a name at all: that error comes first, alone
+        elif name not in registry:
+            unknown.append((registry, key, name))
+
+    _check_registered_names(cfg, _lookup)
+    if len(unknown) == 1:
+        registry, key, name = unknown[0]
+        registry.get(name, key)  # its own message, with the closest names
+    if unknown:
+        parts = ", ".join(f"{r.kind} {n!r} ({k})" for r, k, n in unknown)
+        kinds = {r.kind: r for r, _, _ in unknown}
+        known = "; ".join(f"known {kind}s: {', '.join(r.names()) or '(none)'}" for kind, r in kinds.items())
+        raise ConfigError(
+            f"this config names {len(unknown)} parts that are not registered: {parts}; {known} "
+            f"(your own parts are registered by the modules in config.USER_MODULES)"
+        )
+
+
+def _check_registered_names(cfg: AttrDict, _lookup: Callable[[Any, str, Any], None]) -> None:
     from ssl_engine import registry as R
 
     _lookup(R.ENGINES, "engine_name", cfg.engine_name)

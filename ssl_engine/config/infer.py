@@ -10,6 +10,8 @@ each when the yaml left it at its default; one set to another value that contrad
 source is an error naming both keys (VISSL overwrites it silently). ``queue.queue_length`` is
 rounded down to a multiple of the global batch and ``queue.local_queue_length`` set to its
 share per rank, as VISSL does.
+
+``multicrop_simclr_info_nce_loss``: ``num_crops`` from the TRAIN transforms in the same way.
 """
 
 import logging
@@ -53,15 +55,16 @@ def _crops_per_image(cfg: Dict[str, Any]) -> Optional[Tuple[str, int]]:
     return found
 
 
-def _take(sw: Dict[str, Any], default: Dict[str, Any], key: str, value: Any, source: str) -> None:
-    """Set ``sw[key]`` to ``value`` (from ``source``) when it holds its default; a different
-    value given on purpose must agree."""
-    if sw.get(key) == default.get(key):
-        sw[key] = value
-    elif sw.get(key) != value:
+def _take(section: Dict[str, Any], default: Dict[str, Any], key: str, value: Any, source: str,
+          where: str = KEY) -> None:
+    """Set ``section[key]`` to ``value`` (from ``source``) when it holds its default; a different
+    value given on purpose must agree (``where``: the section's config path)."""
+    if section.get(key) == default.get(key):
+        section[key] = value
+    elif section.get(key) != value:
         raise ConfigError(
-            f"{KEY}.{key}={sw.get(key)!r} contradicts {source}={value!r}; make them equal, or leave "
-            f"{KEY}.{key} out to take it from there"
+            f"{where}.{key}={section.get(key)!r} contradicts {source}={value!r}; make them equal, or leave "
+            f"{where}.{key} out to take it from there"
         )
 
 
@@ -106,9 +109,21 @@ def infer_swav_loss(cfg: Dict[str, Any], defaults: Dict[str, Any]) -> None:
         queue["local_queue_length"] = 0
 
 
+def infer_multicrop_simclr_loss(cfg: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """``config.LOSS.multicrop_simclr_info_nce_loss.num_crops`` from the TRAIN transforms (in place)."""
+    loss = cfg.get("LOSS") or {}
+    name = "multicrop_simclr_info_nce_loss"
+    if loss.get("name") != name or not isinstance(loss.get(name), dict):
+        return
+    crops = _crops_per_image(cfg)
+    if crops is not None:
+        _take(loss[name], defaults["LOSS"][name], "num_crops", crops[1], crops[0], where=f"config.LOSS.{name}")
+
+
 def infer_settings(cfg: Dict[str, Any], defaults: Dict[str, Any]) -> None:
     """Every inference of this module, on the validated ``config`` node (in place)."""
     infer_swav_loss(cfg, defaults)
+    infer_multicrop_simclr_loss(cfg, defaults)
 
 
-__all__: List[str] = ["infer_settings", "infer_swav_loss"]
+__all__: List[str] = ["infer_settings", "infer_swav_loss", "infer_multicrop_simclr_loss"]

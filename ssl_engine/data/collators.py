@@ -184,6 +184,32 @@ def multicrop_collator(batch: List[Dict[str, Any]], create_multidimensional_tens
     return out
 
 
+@COLLATORS.register("moco_collator")
+def moco_collator(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """MoCo's two views: ``data = [view 0 of every sample]`` (the query encoder's input) and
+    ``data_momentum = [view 1 of every sample]`` (the momentum encoder's, see MoCoHook), as
+    VISSL's moco_collator gives them; ``label``, ``data_valid`` and ``data_idx`` are those of
+    view 0 (one LongTensor of length N each).
+    """
+    if not batch:
+        raise ValueError("moco_collator got an empty batch")
+    num_views = _num_entries(batch, "data")
+    if num_views != 2:
+        raise UserError(
+            f"moco_collator needs exactly 2 views per sample, got {num_views}; start "
+            "config.DATA.TRAIN.TRANSFORMS with {name: ImgReplicatePil, num_times: 2}"
+        )
+    out: Dict[str, Any] = {
+        "data": [_stack([s["data"][0] for s in batch], "moco view 0")],
+        "data_momentum": [_stack([s["data"][1] for s in batch], "moco view 1")],
+    }
+    for key in ("label", "data_valid", "data_idx"):
+        if key in batch[0]:
+            out[key] = [_ints([s[key][0] for s in batch])] if len(batch[0][key]) else []
+    out.update(_extra_keys(batch))
+    return out
+
+
 def build_collator(name: str, params: Optional[Dict[str, Any]] = None, split: str = "<split>") -> Callable[[List[Dict[str, Any]]], Dict[str, Any]]:
     """The registered collator ``name`` with ``params`` bound as keyword arguments (picklable for workers)."""
     fn = COLLATORS.get(name)

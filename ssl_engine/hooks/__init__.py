@@ -22,6 +22,7 @@ from ssl_engine.hooks.periodic_writer import ConsoleWriter, JsonLinesWriter, Per
 from ssl_engine.hooks.precise_bn import PreciseBNHook
 from ssl_engine.hooks.profiler import TorchProfilerHook, profiling_folder
 from ssl_engine.hooks.progress_bar import ProgressBarHook, progress_bar_wanted
+from ssl_engine.hooks.moco_hook import MoCoHook
 from ssl_engine.hooks.swav_hooks import SwAVHook
 from ssl_engine.hooks.tensorboard import TensorboardParamsHook, TensorboardWriter, tensorboard_dir
 from ssl_engine.registry import HOOKS
@@ -95,6 +96,8 @@ def default_hooks(cfg: AttrDict) -> List[Any]:
     if cfg.MACHINE.DEVICE == "gpu" and (mem.PRINT_MEMORY_SUMMARY or mem.LOG_EVERY_N_ITERS > 0 or mem.DUMP_MEMORY_ON_EXCEPTION):
         hooks.append(TorchMemoryStatsHook(True, mem.LOG_EVERY_N_ITERS, mem.LOG_ITERATION_NUM,
                                           mem.PRINT_MEMORY_SUMMARY, mem.DUMP_MEMORY_ON_EXCEPTION))
+    if cfg.LOSS.name == "moco_loss":  # shuffled BN across ranks unless BN is synchronised (as VISSL)
+        hooks.append(MoCoHook(cfg.LOSS.moco_loss.momentum, shuffle_batch=not cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN))
     if cfg.LOSS.name == "swav_loss":
         hooks.append(SwAVHook(cfg.LOSS.swav_loss.normalize_last_layer))
     if cfg.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP:
@@ -106,7 +109,7 @@ def default_hooks(cfg: AttrDict) -> List[Any]:
 __all__ = [
     "EVENTS", "Priority", "SSLHook", "order_hooks", "parse_priority", "default_hooks", "custom_hooks",
     "BestCheckpointer", "CallbackHook", "CheckpointHook", "EMAModelHook", "EvalHook", "IterationTimer",
-    "MetricsHook", "ModelComplexityHook", "NaNCheckHook", "ParamGroupsHook", "PerfStatsHook", "PeriodicWriterHook",
+    "MetricsHook", "MoCoHook", "ModelComplexityHook", "NaNCheckHook", "ParamGroupsHook", "PerfStatsHook", "PeriodicWriterHook",
     "PreciseBNHook", "ProgressBarHook", "SwAVHook", "TempFrozenParamsHook", "TensorboardParamsHook", "TensorboardWriter",
     "TorchMemoryStatsHook", "TorchProfilerHook", "ConsoleWriter", "JsonLinesWriter", "Writer",
 ]

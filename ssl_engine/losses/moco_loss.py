@@ -1,0 +1,145 @@
+"""MoCo's contrastive loss against a queue of keys (He et al. 2020; VISSL's ``moco_loss``).
+
+Input: the query encoder's output ``[n, D]`` (view 0 of each image, from ``moco_collator``)
+and, set by :class:`ssl_engine.hooks.MoCoHook` at every forward, ``self.key``: the momentum
+encoder's normalised output for view 1 of the same images. Each query's positive is its own
+key; its negatives are the ``queue_size`` keys of earlier batches in the queue. The loss is the
+cross entropy of ``[q.k, q.queue] / temperature`` with the positive as the class. After each
+training step the batch's keys, gathered from every rank, replace the oldest ones in the queue
+(round robin), so every rank holds the same queue.
+
+The momentum encoder is a submodule of this loss (attached by the hook at the start of a run),
+so the loss's ``state_dict`` holds it, the queue and the queue pointer: a checkpoint keeps them
+and a resumed run goes on with the same keys and negatives.
+"""
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from classy_vision.losses import ClassyLoss
+
+from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.errors import UserError
+from ssl_engine.gather import is_distributed
+from ssl_engine.registry import LOSSES
+
+log = logging.getLogger(__name__)
+
+KEY = "config.LOSS.moco_loss"
+
+
+@torch.no_grad()
+def gather_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Every rank's keys, concatenated in rank order (no gradient; one process: ``keys``)."""
+    if not is_distributed():
+        return keys
+    parts: List[torch.Tensor] = [torch.empty_like(keys) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, keys.contiguous())
+    return torch.cat(parts)
+
+
+@LOSSES.register("moco_loss")
+class MoCoLoss(ClassyLoss):
+    """MoCo's loss; options under ``config.LOSS.moco_loss`` (embedding_dim, queue_size, momentum,
+    temperature: VISSL's keys; ``momentum`` is the MoCoHook's)."""
+
+    def __init__(self, embedding_dim: int = 128, queue_size: int = 65536, momentum: float = 0.999,
+                 temperature: float = 0.2) -> None:
+        super().__init__()
+        for key, value in (("embedding_dim", embedding_dim), ("queue_size", queue_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UserError(f"{KEY}.{key}={value!r} must be a positive integer")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise UserError(f"{KEY}.temperature={temperature!r} must be a number > 0")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+            raise UserError(f"{KEY}.momentum={momentum!r} must be a number in [0, 1]")
+        self.embedding_dim = int(embedding_dim)
+        self.queue_size = int(queue_size)
+        self.momentum = float(momentum)
+        self.temperature = float(temperature)
+        # random unit keys to start with, as in MoCo; replaced batch by batch
+        self.register_buffer("queue", F.normalize(torch.randn(self.embedding_dim, self.queue_size), dim=0))
+        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+        self.moco_encoder: Optional[nn.Module] = None  # attached by MoCoHook (a submodule: checkpointed)
+        self.key: Optional[torch.Tensor] = None  # the momentum encoder's keys of the current batch
+        self._pending_state: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def from_config(cls, loss_config: AttrDict) -> "MoCoLoss":
+        """Build from ``config.LOSS.moco_loss``."""
+        cfg = loss_config or {}
+        return cls(embedding_dim=cfg.get("embedding_dim", 128), queue_size=cfg.get("queue_size", 65536),
+                   momentum=cfg.get("momentum", 0.999), temperature=cfg.get("temperature", 0.2))
+
+    # ------------------------------------------------------------------ the momentum encoder
+    def attach_encoder(self, encoder: nn.Module) -> None:
+        """Take ``encoder`` (a copy of the model) as the momentum encoder; a checkpoint's state
+        loaded before it existed (a resumed run) is applied now."""
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        self.moco_encoder = encoder
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            super().load_state_dict(state)
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, **kwargs: Any) -> Any:
+        """A checkpoint's state; its momentum encoder waits until the hook has attached one."""
+        if self.moco_encoder is None and any(k.startswith("moco_encoder.") for k in state_dict):
+            self._pending_state = dict(state_dict)
+            return None
+        return super().load_state_dict(state_dict, strict=strict, **kwargs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, output: Union[torch.Tensor, Sequence[torch.Tensor]], target: Any = None) -> torch.Tensor:
+        """The loss of this rank's queries; in training mode the keys then enter the queue."""
+        query = output if isinstance(output, torch.Tensor) else _single(list(output))
+        if query.ndim != 2 or query.shape[1] != self.embedding_dim:
+            raise UserError(
+                f"{KEY}.embedding_dim={self.embedding_dim} does not match the head's output of shape "
+                f"{tuple(query.shape)}; make it equal to the last head's output size"
+            )
+        if self.key is None:
+            raise UserError(
+                "moco_loss has no keys: they come from the MoCoHook, which default_hooks adds when "
+                "config.LOSS.name is moco_loss (and the data from COLLATE_FUNCTION: moco_collator)"
+            )
+        key, self.key = self.key, None
+        with torch.autocast(device_type=query.device.type, enabled=False):
+            q = F.normalize(query.float(), dim=1)
+            k = key.float()
+            positive = (q * k).sum(dim=1, keepdim=True)
+            negatives = q @ self.queue.clone().detach().float()
+            logits = torch.cat([positive, negatives], dim=1) / self.temperature
+            loss = F.cross_entropy(logits, torch.zeros(q.shape[0], dtype=torch.long, device=q.device))
+        if self.training:
+            self._enqueue(key)
+        return loss
+
+    @torch.no_grad()
+    def _enqueue(self, key: torch.Tensor) -> None:
+        keys = gather_keys(key)
+        n = keys.shape[0]
+        if self.queue_size % n:
+            raise UserError(
+                f"{KEY}.queue_size={self.queue_size} must be a multiple of the global batch ({n} keys per step: "
+                f"BATCHSIZE_PER_REPLICA x ranks), as in VISSL"
+            )
+        ptr = int(self.queue_ptr)
+        self.queue[:, ptr:ptr + n] = keys.t().to(self.queue.dtype)
+        self.queue_ptr[0] = (ptr + n) % self.queue_size
+
+    def extra_repr(self) -> str:
+        return (f"embedding_dim={self.embedding_dim}, queue_size={self.queue_size}, momentum={self.momentum}, "
+                f"temperature={self.temperature}")
+
+
+def _single(items: List[Any]) -> torch.Tensor:
+    if len(items) != 1 or not isinstance(items[0], torch.Tensor):
+        raise UserError(
+            f"moco_loss expects one head output (the embedding), got {len(items)}; check config.MODEL.HEAD.PARAMS"
+        )
+    return items[0]

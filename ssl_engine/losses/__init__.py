@@ -11,6 +11,7 @@ from ssl_engine.config.attr_dict import AttrDict
 
 # Importing the loss modules registers their losses.
 from ssl_engine.losses.cross_entropy import CrossEntropyLoss, CrossEntropyMultipleOutputSingleTargetLoss
+from ssl_engine.losses.barlow_twins_loss import BarlowTwinsLoss
 from ssl_engine.losses.multicrop_simclr_info_nce import MultiCropSimclrInfoNCELoss
 from ssl_engine.losses.simclr_info_nce import SimclrInfoNCELoss
 from ssl_engine.losses.swav_loss import SwAVLoss, sinkhorn_knopp
@@ -29,6 +30,7 @@ def build_loss(loss_cfg: AttrDict) -> ClassyLoss:
 
 
 __all__ = [
+    "BarlowTwinsLoss",
     "build_loss",
     "ClassyLoss",
     "CrossEntropyLoss",

@@ -161,12 +161,19 @@ class ImgPilGaussianBlur:
 
 @TRANSFORMS.register("ImgPilRandomSolarize")
 class ImgPilRandomSolarize:
-    """With probability ``prob``, solarize a PIL image (invert pixels above ``threshold``), as in BYOL."""
+    """With probability ``p``, solarize a PIL image (invert pixels above ``threshold``), as in BYOL.
 
-    def __init__(self, prob: float = 0.2, threshold: int = 128) -> None:
-        if not 0.0 <= float(prob) <= 1.0:
-            raise ValueError(f"prob must be in [0, 1], got {prob}")
-        self.prob, self.threshold = float(prob), int(threshold)
+    ``p`` is VISSL's key (and default, 0.66); ``prob``, the argument name of VISSL's class, is
+    accepted too.
+    """
+
+    def __init__(self, p: Optional[float] = None, threshold: int = 128, prob: Optional[float] = None) -> None:
+        if p is not None and prob is not None:
+            raise ValueError(f"give p (VISSL's key) or prob, not both; got p={p}, prob={prob}")
+        value = 0.66 if p is None and prob is None else (p if p is not None else prob)
+        if not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"p must be in [0, 1], got {value}")
+        self.prob, self.threshold = float(value), int(threshold)
 
     def __call__(self, img: Image.Image) -> Image.Image:
         _require_pil(img, "ImgPilRandomSolarize")

@@ -464,4 +464,5 @@ def test_lars_run_resumed_from_a_mid_phase_checkpoint_equals_the_straight_run(tm
         return {"model": ck["base_model"], "optimizer": ck["optimizer"]}
 
     assert_bitwise_equal(state(straight), state(resumed))
-    assert [m["train_loss"] for m in _metrics(straight)] == [m["train_loss"] for m in _metrics(resumed)]
+    # the resumed folder holds the phase it finished: its loss (averaged over the whole phase) is the same
+    assert _metrics(resumed)[-1] == _metrics(straight)[-1]

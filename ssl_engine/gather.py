@@ -74,3 +74,33 @@ def gather_with_grad(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
     if not is_distributed():
         return tensor
     return _GatherWithGrad.apply(tensor, group)
+
+
+class _AllReduceSumWithGrad(torch.autograd.Function):
+    """Sum ``tensor`` over all ranks; backward sums the ranks' gradients (same convention as above)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        out = tensor.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+        grad = grad_output.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum_with_grad(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """``tensor`` summed over every rank, differentiable; ``tensor`` itself on one process.
+
+    When every rank goes on to compute the same loss from the sum, the backward hands each rank
+    the sum of all ranks' (equal) gradients, i.e. world size times its own; DDP's averaging of the
+    parameter gradients then gives exactly the gradient of that loss (as with
+    :func:`gather_with_grad`).
+    """
+    if not is_distributed():
+        return tensor
+    return _AllReduceSumWithGrad.apply(tensor, group)

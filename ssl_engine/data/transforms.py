@@ -2,8 +2,9 @@
 
 Every class of ``torchvision.transforms`` is registered in ``TRANSFORMS`` under its own name,
 next to VISSL's PIL transforms (``ImgReplicatePil``, ``ImgPilColorDistortion``,
-``ImgPilGaussianBlur``, ``ImgPilToMultiCrop``, ``ImgPilRandomSolarize``, and ``ImgRotatePil``,
-which also sets the sample's label). A config lists them as VISSL does::
+``ImgPilGaussianBlur``, ``ImgPilToMultiCrop``, ``ImgPilRandomSolarize``, ``ImgRotatePil``,
+which also sets the sample's label, and ``ImgPilMultiCropRandomApply``, which sees all the
+sample's views at once to apply its transforms to view i with probability prob[i]). A config lists them as VISSL does::
 
     TRANSFORMS:
       - name: ImgReplicatePil
@@ -160,12 +161,19 @@ class ImgPilGaussianBlur:
 
 @TRANSFORMS.register("ImgPilRandomSolarize")
 class ImgPilRandomSolarize:
-    """With probability ``prob``, solarize a PIL image (invert pixels above ``threshold``), as in BYOL."""
+    """With probability ``p``, solarize a PIL image (invert pixels above ``threshold``), as in BYOL.
 
-    def __init__(self, prob: float = 0.2, threshold: int = 128) -> None:
-        if not 0.0 <= float(prob) <= 1.0:
-            raise ValueError(f"prob must be in [0, 1], got {prob}")
-        self.prob, self.threshold = float(prob), int(threshold)
+    ``p`` is VISSL's key (and default, 0.66); ``prob``, the argument name of VISSL's class, is
+    accepted too.
+    """
+
+    def __init__(self, p: Optional[float] = None, threshold: int = 128, prob: Optional[float] = None) -> None:
+        if p is not None and prob is not None:
+            raise ValueError(f"give p (VISSL's key) or prob, not both; got p={p}, prob={prob}")
+        value = 0.66 if p is None and prob is None else (p if p is not None else prob)
+        if not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"p must be in [0, 1], got {value}")
+        self.prob, self.threshold = float(value), int(threshold)
 
     def __call__(self, img: Image.Image) -> Image.Image:
         _require_pil(img, "ImgPilRandomSolarize")
@@ -214,6 +222,48 @@ class ImgPilToMultiCrop:
     def __repr__(self) -> str:
         groups = ", ".join(f"{n}x{c.size}" for n, c in self.crops)
         return f"ImgPilToMultiCrop({groups})"
+
+
+@TRANSFORMS.register("ImgPilMultiCropRandomApply")
+class ImgPilMultiCropRandomApply:
+    """Apply ``transforms`` (in order) to view i of the sample with probability ``prob[i]`` (BYOL and
+    Barlow Twins: blur always on view 0 and with p 0.1 on view 1, solarize only on view 1, ...).
+
+    Unlike the other transforms it sees the sample's views together (``takes_views``): the list of
+    its data entries (those of ``indices``, in order), one probability per entry. Each view draws
+    one uniform number from torch's global generator, which the dataset seeds from (seed, epoch,
+    sample index), and is transformed when it is below ``prob[i]``; prob 0 never applies, prob 1
+    always does.
+    """
+
+    takes_views = True
+
+    def __init__(self, transforms: Sequence[Any], prob: Sequence[float]) -> None:
+        if not isinstance(transforms, (list, tuple)) or not transforms:
+            raise ValueError(f"transforms must be a non-empty list of transforms ({{name: ..., ...}}), got {transforms!r}")
+        if not isinstance(prob, (list, tuple)) or not prob or not all(
+            isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p <= 1.0 for p in prob
+        ):
+            raise ValueError(f"prob must be a list of probabilities in [0, 1], one per view, got {prob!r}")
+        built = [build_transform(t, f"transforms[{i}]")[1] if isinstance(t, dict) else t for i, t in enumerate(transforms)]
+        self.transform = T.Compose(built)
+        self.prob = [float(p) for p in prob]
+
+    def __call__(self, views: Sequence[Any]) -> List[Any]:
+        if not isinstance(views, (list, tuple)) or len(views) != len(self.prob):
+            count = len(views) if isinstance(views, (list, tuple)) else "one image, not a list of"
+            raise ValueError(
+                f"prob={self.prob} gives {len(self.prob)} probabilities but the sample has {count} views "
+                f"at this point; give one probability per view (list it after ImgReplicatePil / ImgPilToMultiCrop)"
+            )
+        out = []
+        for view, p in zip(views, self.prob):
+            apply = torch.rand(()).item() < p
+            out.append(self.transform(view) if apply else view)
+        return out
+
+    def __repr__(self) -> str:
+        return f"ImgPilMultiCropRandomApply({self.transform.transforms!r}, prob={self.prob})"
 
 
 # ----------------------------------------------------------------------------- building
@@ -328,6 +378,14 @@ class SSLTransformsWrapper:
                     )
             targets = sorted({i % len(data) for i in targets}) if data else []
             outputs: Dict[int, Any] = {}
+            if getattr(transform, "takes_views", False):
+                try:
+                    views = transform([data[i] for i in targets])
+                except (TypeError, ValueError, IndexError, RuntimeError) as exc:
+                    raise UserError(f"{self.config_key}[{pos}] ({name}): {exc}") from exc
+                for i, view in zip(targets, views):
+                    data[i] = view
+                continue
             for i in targets:
                 try:
                     outputs[i] = transform(data[i])

@@ -10,6 +10,7 @@ from classy_vision.losses import ClassyLoss
 from ssl_engine.config.attr_dict import AttrDict
 
 # Importing the loss modules registers their losses.
+from ssl_engine.losses.barlow_twins_loss import BarlowTwinsLoss
 from ssl_engine.losses.cross_entropy import CrossEntropyLoss, CrossEntropyMultipleOutputSingleTargetLoss
 from ssl_engine.losses.moco_loss import MoCoLoss
 from ssl_engine.losses.multicrop_simclr_info_nce import MultiCropSimclrInfoNCELoss
@@ -30,6 +31,7 @@ def build_loss(loss_cfg: AttrDict) -> ClassyLoss:
 
 
 __all__ = [
+    "BarlowTwinsLoss",
     "build_loss",
     "ClassyLoss",
     "CrossEntropyLoss",

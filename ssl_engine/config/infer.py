@@ -12,8 +12,24 @@ rounded down to a multiple of the global batch and ``queue.local_queue_length`` 
 share per rank, as VISSL does.
 
 ``multicrop_simclr_info_nce_loss``: ``num_crops`` from the TRAIN transforms in the same way.
+
+Meters of a feature-evaluation model (as VISSL's ``infer_and_assert_hydra_config``): when
+``MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON`` and ``FREEZE_TRUNK_ONLY`` or
+``EXTRACT_TRUNK_FEATURES_ONLY`` are set and ``LINEAR_EVAL_FEAT_POOL_OPS_MAP`` is not empty, every
+list meter named in ``METERS.name`` / ``METERS.names`` (:data:`LIST_METERS`) gets
+``num_meters = len(map)`` and ``meter_names = [the map's layer names]``, so that metrics.json keys
+the values by layer (``test_accuracy_list_meter/top_1/res5``). Like VISSL, this overwrites what the
+yaml says (VISSL's own linear-eval configs say ``num_meters: 1`` with two heads); a changed value
+is logged.
+
+Head optimizer settings (as VISSL's ``infer_learning_rate``): without
+``OPTIMIZER.head_optimizer_params.use_different_lr`` the heads' schedule
+``param_schedulers.lr_head`` is a copy of ``lr`` (auto-scaling included, since scaling happens
+when the optimizer is built, for each schedule by its own ``auto_lr_scaling``); without
+``use_different_wd`` the heads' ``weight_decay`` is ``OPTIMIZER.weight_decay``.
 """
 
+import copy
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -120,10 +136,81 @@ def infer_multicrop_simclr_loss(cfg: Dict[str, Any], defaults: Dict[str, Any]) -
         _take(loss[name], defaults["LOSS"][name], "num_crops", crops[1], crops[0], where=f"config.LOSS.{name}")
 
 
+#: VISSL's list meters whose count and names follow the evaluated layers (mean_ap_list_meter is
+#: not implemented here, but its section is filled in too, as VISSL does).
+LIST_METERS = ("accuracy_list_meter", "mean_ap_list_meter", "precision_at_k_list_meter", "recall_at_k_list_meter")
+
+
+def is_feature_eval_model(model_cfg: Dict[str, Any]) -> bool:
+    """VISSL's ``is_feature_extractor_model``: EVAL_MODE_ON, a frozen trunk (FREEZE_TRUNK_ONLY) or
+    trunk features only (EXTRACT_TRUNK_FEATURES_ONLY), and a non-empty LINEAR_EVAL_FEAT_POOL_OPS_MAP."""
+    fe = (model_cfg or {}).get("FEATURE_EVAL_SETTINGS") or {}
+    return bool(
+        fe.get("EVAL_MODE_ON")
+        and (fe.get("FREEZE_TRUNK_ONLY") or fe.get("EXTRACT_TRUNK_FEATURES_ONLY"))
+        and isinstance(fe.get("LINEAR_EVAL_FEAT_POOL_OPS_MAP"), list)
+        and len(fe["LINEAR_EVAL_FEAT_POOL_OPS_MAP"]) > 0
+    )
+
+
+def _named_meters(meters: Dict[str, Any]) -> List[str]:
+    names = meters.get("names") or []
+    names = [names] if isinstance(names, str) else list(names) if isinstance(names, list) else []
+    single = meters.get("name") or ""
+    if isinstance(single, str) and single and single not in names:
+        names.append(single)
+    return [str(n) for n in names]
+
+
+def infer_meters(cfg: Dict[str, Any]) -> None:
+    """num_meters / meter_names of the list meters from LINEAR_EVAL_FEAT_POOL_OPS_MAP (in place)."""
+    meters = cfg.get("METERS")
+    if not isinstance(meters, dict) or not is_feature_eval_model(cfg.get("MODEL") or {}):
+        return
+    pool_map = cfg["MODEL"]["FEATURE_EVAL_SETTINGS"]["LINEAR_EVAL_FEAT_POOL_OPS_MAP"]
+    layers = [str(entry[0]) if isinstance(entry, (list, tuple)) and entry else str(entry) for entry in pool_map]
+    for name in _named_meters(meters):
+        if name not in LIST_METERS:
+            continue
+        section = meters.get(name)
+        if not isinstance(section, dict):
+            section = meters[name] = {}
+        before = (section.get("num_meters"), list(section.get("meter_names") or []))
+        section["num_meters"] = len(layers)
+        section["meter_names"] = list(layers)
+        if (before[1] and before[1] != layers) or before[0] not in (None, 1, len(layers)):
+            log.info(
+                "config.METERS.%s: num_meters=%s, meter_names=%s replaced by %d, %s from "
+                "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP (as VISSL infers them)",
+                name, before[0], before[1], len(layers), layers,
+            )
+
+
+def infer_head_optimizer(cfg: Dict[str, Any]) -> None:
+    """``param_schedulers.lr_head`` and ``head_optimizer_params.weight_decay`` when the heads use
+    the trunk's values (in place)."""
+    opt = cfg.get("OPTIMIZER")
+    if not isinstance(opt, dict):
+        return
+    head = opt.get("head_optimizer_params")
+    if not isinstance(head, dict):
+        head = opt["head_optimizer_params"] = {}
+    schedulers = opt.get("param_schedulers")
+    if isinstance(schedulers, dict) and not head.get("use_different_lr", False) and "lr" in schedulers:
+        schedulers["lr_head"] = copy.deepcopy(schedulers["lr"])
+    if not head.get("use_different_wd", False):
+        head["weight_decay"] = opt.get("weight_decay", 0.0)
+
+
 def infer_settings(cfg: Dict[str, Any], defaults: Dict[str, Any]) -> None:
     """Every inference of this module, on the validated ``config`` node (in place)."""
     infer_swav_loss(cfg, defaults)
     infer_multicrop_simclr_loss(cfg, defaults)
+    infer_meters(cfg)
+    infer_head_optimizer(cfg)
 
 
-__all__: List[str] = ["infer_settings", "infer_swav_loss", "infer_multicrop_simclr_loss"]
+__all__: List[str] = [
+    "infer_head_optimizer", "infer_meters", "infer_multicrop_simclr_loss", "infer_settings", "infer_swav_loss",
+    "is_feature_eval_model", "LIST_METERS",
+]

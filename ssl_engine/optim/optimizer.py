@@ -3,6 +3,11 @@
 ``build_optimizer`` reads ``config.OPTIMIZER`` (VISSL's keys), splits the model's
 parameters into regularized and non-regularized groups, builds the torch optimizer
 through the OPTIMIZERS registry and the lr schedule through :mod:`.schedulers`.
+With ``head_optimizer_params.use_different_lr`` or ``use_different_wd`` the heads' parameters
+get groups of their own (VISSL's head param groups): their lr follows
+``param_schedulers.lr_head`` (with use_different_lr) and their weight decay is
+``head_optimizer_params.weight_decay`` (with use_different_wd). LARC works per group, so
+it uses each group's own lr and weight decay.
 
 The trainer owns training progress: it calls ``set_where(where)`` before a step (for
 ``update_interval == 'step'``) or at the start of a train phase (for 'epoch'), then
@@ -11,13 +16,14 @@ and plain containers so that ``torch.load(weights_only=True)`` reads it.
 """
 
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+import math
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import UserError
+from ssl_engine.errors import CheckpointError, UserError
 from ssl_engine.optim.larc import apply_larc_, parse_larc_config
 from ssl_engine.optim.schedulers import build_lr_scheduler
 from ssl_engine.registry import OPTIMIZERS
@@ -77,12 +83,22 @@ def _rmsprop(param_groups: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> torc
                                alpha=float(cfg.get("alpha", 0.99)), eps=float(cfg.get("eps", 1e-8)))
 
 
+def _head_param_ids(model: nn.Module) -> Set[int]:
+    """Ids of the parameters of the model's heads: its ``heads`` submodule (SSLModel's), or for a
+    model without one, the modules whose name contains 'head' (VISSL's rule)."""
+    heads = getattr(model, "heads", None)
+    if isinstance(heads, nn.Module):
+        return {id(p) for p in heads.parameters()}
+    return {id(p) for name, module in model.named_modules() if "head" in name for p in module.parameters(recurse=False)}
+
+
 def get_param_groups(
     model: nn.Module,
     weight_decay: float,
     regularize_bn: bool = False,
     regularize_bias: bool = True,
     non_regularized_parameters: Iterable[str] = (),
+    head_weight_decay: Optional[float] = None,
 ) -> List[Dict[str, Any]]:
     """Trainable parameters split into a weight-decayed group and a wd=0 group.
 
@@ -91,11 +107,20 @@ def get_param_groups(
     ``regularize_bias`` is False, or when
     its full name contains one of ``non_regularized_parameters`` (e.g. 'pos_embed',
     'cls_token'). Empty groups are dropped; shared parameters appear once.
+
+    With ``head_weight_decay`` (not None), the heads' parameters (see :func:`_head_param_ids`)
+    get groups of their own, as VISSL's head_optimizer_params make them: regularized ones with
+    ``head_weight_decay``, the others with 0. Each group dict then holds a ``name``
+    ("trunk", "trunk_no_wd", "head", "head_no_wd"), which says which lr schedule drives it
+    (``lr`` or ``lr_head``). Without it the groups are named "regularized" and "not_regularized".
     """
     patterns = [str(p) for p in non_regularized_parameters or []]
+    split_heads = head_weight_decay is not None
+    head_ids = _head_param_ids(model) if split_heads else set()
     seen = set()
-    regularized: List[nn.Parameter] = []
-    unregularized: List[nn.Parameter] = []
+    buckets: Dict[Tuple[bool, bool], List[nn.Parameter]] = {
+        (h, r): [] for h in (False, True) for r in (True, False)
+    }
     for module_name, module in model.named_modules():
         is_norm = isinstance(module, NORM_TYPES)
         for param_name, param in module.named_parameters(recurse=False):
@@ -108,29 +133,39 @@ def get_param_groups(
                 or (param_name == "bias" and not regularize_bias)
                 or any(p in full_name for p in patterns)
             )
-            (unregularized if skip else regularized).append(param)
+            buckets[(id(param) in head_ids, not skip)].append(param)
+    names = {
+        (False, True): "trunk" if split_heads else "regularized",
+        (False, False): "trunk_no_wd" if split_heads else "not_regularized",
+        (True, True): "head",
+        (True, False): "head_no_wd",
+    }
     groups = []
-    if regularized:
-        groups.append({"params": regularized, "weight_decay": float(weight_decay)})
-    if unregularized:
-        groups.append({"params": unregularized, "weight_decay": 0.0})
+    for (is_head, regularized), params in buckets.items():
+        if params:
+            wd = (float(head_weight_decay) if is_head else float(weight_decay)) if regularized else 0.0
+            groups.append({"params": params, "weight_decay": wd, "name": names[(is_head, regularized)]})
     if not groups:
         raise UserError("the model has no trainable parameters for config.OPTIMIZER to optimize")
-    logger.info(
-        "optimizer param groups: %d regularized (wd=%g), %d not regularized",
-        len(regularized), weight_decay, len(unregularized),
-    )
     return groups
 
 
 class SSLOptimizer:
     """A torch optimizer, the param schedules of its groups, and optional LARC.
 
+    ``schedulers`` maps a schedule name ("lr", "lr_head") to a ParamScheduler; ``group_params``
+    says, for each param group, which group value each schedule sets (``{"lr": "lr_head"}``:
+    the group's lr follows the lr_head schedule); by default every group's ``lr`` follows "lr".
+    ``intervals`` gives each schedule's update interval; the optimizer's ``update_interval`` is
+    'step' when any schedule updates every step, and then a schedule of interval 'epoch' keeps
+    the value of the start of the current epoch.
+
     Attributes:
         optimizer: the torch optimizer (usable with ``torch.amp.GradScaler.step(self)``
             too, since this class exposes ``param_groups`` and ``step``).
         update_interval: 'step' or 'epoch': when the trainer should call ``set_where``.
         num_epochs, num_iters_per_epoch: the training length the schedule was built for.
+        group_names: a name per param group (for the log), e.g. "trunk", "head_no_wd".
     """
 
     def __init__(
@@ -141,10 +176,26 @@ class SSLOptimizer:
         larc_config: Optional[Mapping[str, Any]] = None,
         num_epochs: int = 1,
         num_iters_per_epoch: int = 1,
+        group_params: Optional[List[Mapping[str, str]]] = None,
+        intervals: Optional[Mapping[str, str]] = None,
+        group_names: Optional[List[str]] = None,
     ) -> None:
         self.optimizer = optimizer
         self.schedulers = dict(schedulers)
+        n_groups = len(optimizer.param_groups)
+        if group_params is None:
+            group_params = [{key: key for key in self.schedulers} for _ in range(n_groups)]
+        if len(group_params) != n_groups:
+            raise ValueError(f"group_params has {len(group_params)} entries for {n_groups} param groups")
+        self.group_params = [dict(m) for m in group_params]
+        unknown = {name for m in self.group_params for name in m.values()} - set(self.schedulers)
+        if unknown:
+            raise ValueError(f"group_params name schedules {sorted(unknown)} that are not in schedulers")
+        self.intervals = {key: (intervals or {}).get(key, update_interval) for key in self.schedulers}
+        if "step" in self.intervals.values():
+            update_interval = "step"
         self.update_interval = update_interval
+        self.group_names = list(group_names) if group_names is not None else [str(i) for i in range(n_groups)]
         self.larc = dict(larc_config) if larc_config is not None else None
         self.num_epochs = num_epochs
         self.num_iters_per_epoch = num_iters_per_epoch
@@ -179,9 +230,15 @@ class SSLOptimizer:
             raise ValueError(f"where must be in [0, 1), got {where}")
         if where >= 1:
             return
-        values = {key: float(sched(where)) for key, sched in self.schedulers.items()}
-        for group in self.optimizer.param_groups:
-            group.update(values)
+        values = {}
+        for key, sched in self.schedulers.items():
+            at = where
+            if self.update_interval == "step" and self.intervals[key] == "epoch":
+                at = math.floor(where * self.num_epochs + 1e-9) / self.num_epochs  # the epoch's start
+            values[key] = float(sched(at))
+        for group, params in zip(self.optimizer.param_groups, self.group_params):
+            for group_key, sched_key in params.items():
+                group[group_key] = values[sched_key]
         self._where = where
 
     @torch.no_grad()
@@ -218,6 +275,13 @@ class SSLOptimizer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the next ``step()`` equals the uninterrupted one."""
+        saved = len((state.get("optimizer") or {}).get("param_groups") or [])
+        if saved != len(self.optimizer.param_groups):
+            raise CheckpointError(
+                f"the checkpoint's optimizer has {saved} param groups but {OPT_KEY} gives "
+                f"{len(self.optimizer.param_groups)} ({', '.join(self.group_names)}); resume with the "
+                f"checkpoint's {OPT_KEY}.head_optimizer_params and trainable parameters"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         where = state.get("where")
         if where is not None:
@@ -226,6 +290,17 @@ class SSLOptimizer:
     # classy_vision naming, used by the task's get_classy_state / set_classy_state
     get_classy_state = state_dict
     set_classy_state = load_state_dict
+
+    def describe_groups(self) -> str:
+        """One phrase per param group: its name, size, values now and the schedules behind them."""
+        parts = []
+        for name, group, params in zip(self.group_names, self.optimizer.param_groups, self.group_params):
+            scheduled = ", ".join(
+                f"{k}={float(group[k]):.6g} ({v}, per {self.intervals[v]})" for k, v in params.items()
+            )
+            parts.append(f"{name}: {len(group['params'])} tensors, {scheduled}, "
+                         f"weight_decay={float(group.get('weight_decay', 0.0)):.6g}")
+        return "; ".join(parts)
 
     def __repr__(self) -> str:
         larc = f", larc={self.larc}" if self.larc is not None else ""
@@ -259,13 +334,29 @@ def build_optimizer(
     if weight_decay < 0:
         raise UserError(f"{OPT_KEY}.weight_decay={weight_decay!r} must be >= 0")
 
+    head_cfg = cfg.get("head_optimizer_params") or {}
+    use_different_lr = bool(head_cfg.get("use_different_lr", False))
+    use_different_wd = bool(head_cfg.get("use_different_wd", False))
+    head_wd: Optional[float] = None
+    if use_different_lr or use_different_wd:  # else the heads' groups would equal the trunk's
+        head_wd = weight_decay
+        if use_different_wd:
+            try:
+                head_wd = float(head_cfg.get("weight_decay", weight_decay))
+            except (TypeError, ValueError):
+                raise UserError(f"{OPT_KEY}.head_optimizer_params.weight_decay={head_cfg.get('weight_decay')!r} "
+                                "must be a number") from None
+            if head_wd < 0:
+                raise UserError(f"{OPT_KEY}.head_optimizer_params.weight_decay={head_wd!r} must be >= 0")
     groups = get_param_groups(
         model,
         weight_decay=weight_decay,
         regularize_bn=bool(cfg.get("regularize_bn", False)),
         regularize_bias=bool(cfg.get("regularize_bias", True)),
         non_regularized_parameters=cfg.get("non_regularized_parameters", []) or [],
+        head_weight_decay=head_wd,
     )
+    group_names = [g.pop("name") for g in groups]  # kept out of the torch state dict
     builder: OptimizerBuilder = OPTIMIZERS.get(cfg.get("name", "sgd"))
     torch_optimizer = builder(groups, cfg)
 
@@ -274,15 +365,32 @@ def build_optimizer(
     if not lr_cfg:
         raise UserError(f"{OPT_KEY}.param_schedulers.lr is required (e.g. name: constant, value: 0.1)")
     lr_scheduler, interval = build_lr_scheduler(lr_cfg, num_epochs, global_batch_size, num_nodes)
+    schedulers: Dict[str, Any] = {"lr": lr_scheduler}
+    intervals = {"lr": interval}
+    group_params = [{"lr": "lr"} for _ in groups]
+    if use_different_lr:
+        key = f"{OPT_KEY}.param_schedulers.lr_head"
+        head_lr_cfg = schedulers_cfg.get("lr_head")
+        if not head_lr_cfg:
+            raise UserError(f"{key} is required with {OPT_KEY}.head_optimizer_params.use_different_lr=true")
+        schedulers["lr_head"], intervals["lr_head"] = build_lr_scheduler(
+            head_lr_cfg, num_epochs, global_batch_size, num_nodes, key=key)
+        group_params = [{"lr": "lr_head" if n.startswith("head") else "lr"} for n in group_names]
+        if not any(n.startswith("head") for n in group_names):
+            logger.warning("%s.head_optimizer_params.use_different_lr: the model has no trainable head "
+                           "parameters, so %s is not used", OPT_KEY, key)
 
     larc = parse_larc_config(cfg.get("larc_config") or {}) if cfg.get("use_larc", False) else None
     optimizer = SSLOptimizer(
         torch_optimizer,
-        {"lr": lr_scheduler},
+        schedulers,
         update_interval=interval,
         larc_config=larc,
         num_epochs=num_epochs,
         num_iters_per_epoch=num_iters_per_epoch,
+        group_params=group_params,
+        intervals=intervals,
+        group_names=group_names,
     )
-    logger.info("built %r", optimizer)
+    logger.info("built %r; param groups: %s", optimizer, optimizer.describe_groups())
     return optimizer

@@ -242,7 +242,9 @@ def _multiply(cfg: Dict[str, Any], factor: float) -> None:
             cfg[key] = float(value) * factor
 
 
-def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int, num_nodes: int = 1) -> Dict[str, Any]:
+def scale_lr_schedule(
+    lr_cfg: Mapping[str, Any], global_batch_size: int, num_nodes: int = 1, key: str = LR_KEY
+) -> Dict[str, Any]:
     """A copy of ``lr_cfg`` with VISSL's auto_lr_scaling applied (unchanged when off).
 
     With ``auto_lr_scaling.auto_scale``, the reference rate ``base_value`` (meant for a
@@ -262,12 +264,16 @@ def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int, num_nod
     :func:`_resolve_linear_warmup`): it ends at scaled_lr and starts at the lr scaled for one
     node's batch (``global_batch_size / num_nodes``), so on a single node, where the two are
     equal, the warm-up is left out.
+
+    ``key`` is the schedule's config path (``...param_schedulers.lr`` or ``...lr_head``, which
+    VISSL scales the same way by its own ``auto_lr_scaling``), for messages.
     """
     cfg = _plain(lr_cfg)
     auto = cfg.get("auto_lr_scaling") or {}
     if not auto.get("auto_scale", False):
         return cfg
-    key = f"{LR_KEY}.auto_lr_scaling"
+    sched_key = key
+    key = f"{sched_key}.auto_lr_scaling"
     scaling_type = auto.get("scaling_type", "linear")
     if scaling_type not in SCALING_TYPES:
         raise UserError(f"{key}.scaling_type={scaling_type!r} is not valid; use one of {', '.join(SCALING_TYPES)}")
@@ -286,18 +292,18 @@ def scale_lr_schedule(lr_cfg: Mapping[str, Any], global_batch_size: int, num_nod
         return cfg
     _multiply(cfg, scaled_lr / peak)
     logger.info(
-        "auto_lr_scaling (%s): global batch %d / base batch %g -> scale %.6g; "
+        "%s.auto_lr_scaling (%s): global batch %d / base batch %g -> scale %.6g; "
         "lr base_value %.6g -> scaled lr %.6g (schedule peak %.6g -> %.6g)",
-        scaling_type, global_batch_size, base_bs, factor, base_value, scaled_lr, peak, scaled_lr,
+        sched_key, scaling_type, global_batch_size, base_bs, factor, base_value, scaled_lr, peak, scaled_lr,
     )
     if cfg.get("name") == "composite":
         node_ratio = global_batch_size / max(1, int(num_nodes)) / float(base_bs)
         node_lr = base_value * (math.sqrt(node_ratio) if scaling_type == "sqrt" else node_ratio)
-        cfg = _resolve_linear_warmup(cfg, node_lr, int(num_nodes))
+        cfg = _resolve_linear_warmup(cfg, node_lr, int(num_nodes), sched_key)
     return cfg
 
 
-def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int) -> Dict[str, Any]:
+def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int, key: str = LR_KEY) -> Dict[str, Any]:
     """VISSL's rule for the linear warm-up of an auto-scaled composite schedule.
 
     Goyal et al.'s warm-up ramps from the lr of one node's batch to the lr of the global
@@ -322,7 +328,7 @@ def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int) 
         return cfg
     logger.info(
         "auto_lr_scaling: one node: the linear warm-up %s.schedulers[%d] would start at its end value "
-        "(%.6g), so it is left out, as VISSL does", LR_KEY, drop, node_lr,
+        "(%.6g), so it is left out, as VISSL does", key, drop, node_lr,
     )
     children = [c for i, c in enumerate(children) if i != drop]
     if len(children) == 1:
@@ -356,11 +362,11 @@ def _plain(cfg: Any) -> Any:
 
 
 def build_lr_scheduler(
-    lr_cfg: Mapping[str, Any], num_epochs: int, global_batch_size: int, num_nodes: int = 1
+    lr_cfg: Mapping[str, Any], num_epochs: int, global_batch_size: int, num_nodes: int = 1, key: str = LR_KEY
 ) -> Tuple[ParamScheduler, str]:
-    """The (auto-scaled) lr schedule and its update interval ('step' or 'epoch')."""
+    """The (auto-scaled) lr schedule at config path ``key`` and its update interval ('step' or 'epoch')."""
     interval = lr_cfg.get("update_interval", "epoch")
     if interval not in UPDATE_INTERVALS:
-        raise UserError(f"{LR_KEY}.update_interval={interval!r} is not valid; use one of {', '.join(UPDATE_INTERVALS)}")
-    scaled = scale_lr_schedule(lr_cfg, global_batch_size, num_nodes)
-    return build_param_scheduler(scaled, num_epochs), interval
+        raise UserError(f"{key}.update_interval={interval!r} is not valid; use one of {', '.join(UPDATE_INTERVALS)}")
+    scaled = scale_lr_schedule(lr_cfg, global_batch_size, num_nodes, key)
+    return build_param_scheduler(scaled, num_epochs, key), interval

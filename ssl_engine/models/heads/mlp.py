@@ -104,6 +104,7 @@ class MLPHead(nn.Module):
                 layers.append(nn.Dropout())
         self.clf = nn.Sequential(*layers)
         self._init_weights()
+        self._scale_weights(model_config)
 
     @property
     def input_dim(self) -> int:
@@ -123,6 +124,23 @@ class MLPHead(nn.Module):
             elif isinstance(m, nn.BatchNorm1d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+
+    @torch.no_grad()
+    def _scale_weights(self, model_config: AttrDict) -> None:
+        """``MODEL.HEAD.PARAMS_MULTIPLIER``: every Linear's initial weight and bias times this
+        factor, as VISSL's mlp head scales its initialisation (eval_mlp's classifier included)."""
+        value = (model_config.get("HEAD", {}) or {}).get("PARAMS_MULTIPLIER", 1.0)
+        try:
+            factor = float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"MODEL.HEAD.PARAMS_MULTIPLIER={value!r} must be a number") from None
+        if factor == 1.0:
+            return
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.mul_(factor)
+                if m.bias is not None:
+                    m.bias.mul_(factor)
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         return self.clf(flatten_head_input(batch, self.dims[0], self, "mlp"))

@@ -511,6 +511,50 @@ def final_checkpoint(folder: Path) -> Optional[Path]:
     return finals[0] if finals else None
 
 
+# a run's own files besides its checkpoints (log.txt stays: the new run already appends to it)
+_RUN_FILES = ("model_best.torch", "metrics.json", "stdout.json", "train_config.yaml", "tb_logs")
+PREVIOUS_RUN_PREFIX = "previous_run."
+
+
+def holds_checkpoints(folder: Path) -> bool:
+    """Whether ``folder`` holds checkpoints of a run (a checkpoint file, the pointer, model_best.torch)."""
+    folder = Path(folder)
+    return bool(list_checkpoints(folder)) or os.path.lexists(folder / POINTER) or (folder / "model_best.torch").is_file()
+
+
+def set_aside_previous_run(folder: Path) -> Optional[Path]:
+    """Move the checkpoints and run files of an earlier run in ``folder`` into a new subfolder
+    ``previous_run.N`` (renames: same bytes, same times; nothing is deleted), so that a new run
+    started there from scratch can never resume from them after a crash. None when there was
+    nothing to move.
+
+    The pointer goes first and the final checkpoints last: a crash in between leaves a folder
+    that still reads as the earlier run (finished, or resumable from its newest remaining file).
+    """
+    folder = Path(folder)
+    if not holds_checkpoints(folder):
+        return None
+    n = 1
+    while os.path.lexists(folder / f"{PREVIOUS_RUN_PREFIX}{n}"):
+        n += 1
+    target = folder / f"{PREVIOUS_RUN_PREFIX}{n}"
+    target.mkdir()
+    checkpoints = sorted(list_checkpoints(folder), key=lambda p: (p.name.startswith("model_final_"), p.stat().st_mtime_ns, p.name))
+    moving = [folder / POINTER] + [folder / name for name in _RUN_FILES] + checkpoints
+    moved = 0
+    for p in moving:
+        if os.path.lexists(p):
+            os.replace(p, target / p.name)  # the pointer is a relative link: it still names its file there
+            moved += 1
+    fsync_dir(target)
+    fsync_dir(folder)
+    log.warning(
+        "%s holds the checkpoints of an earlier run and this run starts from scratch: moved %d of its files into %s "
+        "(nothing is deleted; remove that folder when you no longer need it)", folder, moved, target,
+    )
+    return target
+
+
 def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Read a checkpoint on the CPU without executing code.
 

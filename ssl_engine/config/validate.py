@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import ConfigError, closest, is_url, url_error
+from ssl_engine.errors import ConfigError, closest
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +350,8 @@ _PATH_KEYS = [
 def check_no_urls(cfg: Dict[str, Any]) -> None:
     """A URL where a local path belongs is one clear error naming the key and the URL as given
     (a path would otherwise collapse its '//' and be reported missing, or be created as a folder)."""
+    from ssl_engine.errors import is_url, url_error
+
     for dotted, output in _PATH_KEYS:
         try:
             value = _get(cfg, dotted)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ssl_engine.errors import CheckpointError, UserError
+from ssl_engine.errors import CheckpointError, UserError, is_url, url_error
 
 log = logging.getLogger(__name__)
 
@@ -482,6 +482,8 @@ def prune(folder: Path, keep_last: int, protect: Optional[set] = None) -> None:
 def named_file(value: Any, key: str) -> Path:
     """The checkpoint file config key ``key`` names; a CheckpointError when it is missing or a
     folder (naming the checkpoint to use from that folder, where it holds one)."""
+    if is_url(value):  # Path() would collapse its '//'
+        raise url_error(key, str(value))
     path = Path(str(value)).expanduser()
     if path.is_dir():
         found = [p for p in (path / POINTER, *list_checkpoints(path)) if p.is_file()]
@@ -507,6 +509,50 @@ def final_checkpoint(folder: Path) -> Optional[Path]:
     """The final checkpoint of a finished training in ``folder``, if there is one."""
     finals = [p for p in list_checkpoints(folder) if p.name.startswith("model_final_checkpoint_phase")]
     return finals[0] if finals else None
+
+
+# a run's own files besides its checkpoints (log.txt stays: the new run already appends to it)
+_RUN_FILES = ("model_best.torch", "metrics.json", "stdout.json", "train_config.yaml", "tb_logs")
+PREVIOUS_RUN_PREFIX = "previous_run."
+
+
+def holds_checkpoints(folder: Path) -> bool:
+    """Whether ``folder`` holds checkpoints of a run (a checkpoint file, the pointer, model_best.torch)."""
+    folder = Path(folder)
+    return bool(list_checkpoints(folder)) or os.path.lexists(folder / POINTER) or (folder / "model_best.torch").is_file()
+
+
+def set_aside_previous_run(folder: Path) -> Optional[Path]:
+    """Move the checkpoints and run files of an earlier run in ``folder`` into a new subfolder
+    ``previous_run.N`` (renames: same bytes, same times; nothing is deleted), so that a new run
+    started there from scratch can never resume from them after a crash. None when there was
+    nothing to move.
+
+    The pointer goes first and the final checkpoints last: a crash in between leaves a folder
+    that still reads as the earlier run (finished, or resumable from its newest remaining file).
+    """
+    folder = Path(folder)
+    if not holds_checkpoints(folder):
+        return None
+    n = 1
+    while os.path.lexists(folder / f"{PREVIOUS_RUN_PREFIX}{n}"):
+        n += 1
+    target = folder / f"{PREVIOUS_RUN_PREFIX}{n}"
+    target.mkdir()
+    checkpoints = sorted(list_checkpoints(folder), key=lambda p: (p.name.startswith("model_final_"), p.stat().st_mtime_ns, p.name))
+    moving = [folder / POINTER] + [folder / name for name in _RUN_FILES] + checkpoints
+    moved = 0
+    for p in moving:
+        if os.path.lexists(p):
+            os.replace(p, target / p.name)  # the pointer is a relative link: it still names its file there
+            moved += 1
+    fsync_dir(target)
+    fsync_dir(folder)
+    log.warning(
+        "%s holds the checkpoints of an earlier run and this run starts from scratch: moved %d of its files into %s "
+        "(nothing is deleted; remove that folder when you no longer need it)", folder, moved, target,
+    )
+    return target
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
@@ -596,40 +642,65 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
 # Weight initialisation of new runs from our checkpoints, VISSL's, or plain state dicts.
 
 
-def _flatten_vissl_model(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    """classy_state_dict -> base_model -> model -> {trunk, heads} becomes 'trunk.x' / 'heads.x'."""
+def _is_vissl_model_layout(state: Dict[str, Any]) -> bool:
+    """Whether ``state`` is VISSL's model layout: {trunk: {...}, heads: {...}} (either may be missing)."""
+    return bool(set(state) & {"trunk", "heads"}) and all(isinstance(state.get(k, {}), dict) for k in ("trunk", "heads"))
+
+
+def _flatten_vissl_model(state: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], bool]:
+    """classy_state_dict -> base_model -> model -> {trunk, heads} becomes 'trunk.x' / 'heads.x'.
+
+    Also says whether that layout was found (and so mapped onto the model's names)."""
     if "base_model" in state and isinstance(state["base_model"], dict):
         state = state["base_model"]
     if "model" in state and isinstance(state["model"], dict):
         state = state["model"]
-    if set(state) & {"trunk", "heads"} and all(isinstance(state.get(k, {}), dict) for k in ("trunk", "heads")):
+    if _is_vissl_model_layout(state):
         flat = {}
         for part in ("trunk", "heads"):
             for k, v in state.get(part, {}).items():
+                if part == "trunk" and k.startswith("base_model."):
+                    # a trunk saved by a VISSL feature evaluation (its feature-extractor wrapper);
+                    # VISSL removes the prefix the same way for a model that is not one
+                    k = k[len("base_model."):]
                 flat[f"{part}.{k}"] = v
-        return flat
-    return state
+        return flat, True
+    return state, False
 
 
-def extract_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Dict[str, torch.Tensor]:
-    """The model weights held by a loaded file, whatever its layout."""
+def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[Dict[str, torch.Tensor], bool]:
+    """The model weights held by a loaded file, and whether VISSL's prefix rule exempts them.
+
+    VISSL applies REMOVE_PREFIX / APPEND_PREFIX only when STATE_DICT_KEY_NAME is not
+    classy_state_dict: a classy_state_dict's trunk/heads layout is mapped onto the model's names
+    by itself. The second value is True for exactly that case (STATE_DICT_KEY_NAME=classy_state_dict,
+    the file has that key, and it holds the trunk/heads layout). Where VISSL would stop
+    instead (no such key, another layout), the weights are read as below and the prefixes apply.
+    """
     state: Any = data
-    if key_name and key_name in data:
+    key_found = bool(key_name) and key_name in data
+    if key_found:
         state = data[key_name]
     else:
         for k in ("classy_state_dict", "model_state_dict", "state_dict", "model"):
             if k in data and isinstance(data[k], dict):
                 state = data[k]
                 break
+    mapped = False
     if isinstance(state, dict):
-        state = _flatten_vissl_model(state)
+        state, mapped = _flatten_vissl_model(state)
     weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
     if not weights:
         raise CheckpointError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} holds no weights under "
             f"STATE_DICT_KEY_NAME={key_name!r} (top-level keys: {', '.join(map(str, list(data)[:8]))})"
         )
-    return weights
+    return weights, key_found and key_name == "classy_state_dict" and mapped
+
+
+def extract_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Dict[str, torch.Tensor]:
+    """The model weights held by a loaded file, whatever its layout."""
+    return _read_state_dict(data, key_name, source)[0]
 
 
 def loads_head_weights(model_cfg: Any) -> bool:
@@ -660,8 +731,18 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
     weights_cfg = model_cfg.WEIGHTS_INIT
     path = named_file(weights_cfg.PARAMS_FILE, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
     data = load_checkpoint(path)
-    weights = extract_state_dict(data, weights_cfg.STATE_DICT_KEY_NAME, str(path))
+    weights, layout_mapped = _read_state_dict(data, weights_cfg.STATE_DICT_KEY_NAME, str(path))
     remove, append = weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX
+    if layout_mapped and (remove or append):
+        # VISSL's rule: its fulltune / low-shot configs set APPEND_PREFIX: trunk. with a
+        # classy_state_dict file, where it does nothing
+        given = ", ".join(f"{k}={v!r}" for k, v in (("REMOVE_PREFIX", remove), ("APPEND_PREFIX", append)) if v)
+        log.info(
+            "config.MODEL.WEIGHTS_INIT.%s not applied: %s is read with STATE_DICT_KEY_NAME=classy_state_dict, whose "
+            "trunk/heads layout is mapped onto the model's names by itself (as in VISSL, the prefixes apply to other "
+            "STATE_DICT_KEY_NAMEs only)", given, path.name,
+        )
+        remove, append = "", ""
     renamed = {}
     for k, v in weights.items():
         if remove and k.startswith(remove):
@@ -693,7 +774,9 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: none of its {len(renamed)} weights match the model "
             f"(first file key {next(iter(renamed), '-')!r}, first model key {next(iter(own), '-')!r}); "
-            f"set REMOVE_PREFIX / APPEND_PREFIX / STATE_DICT_KEY_NAME"
+            + ("the file's classy_state_dict is mapped by its trunk/heads layout (REMOVE_PREFIX / APPEND_PREFIX do "
+               "not apply to it); set STATE_DICT_KEY_NAME to read another key of the file"
+               if layout_mapped else "set REMOVE_PREFIX / APPEND_PREFIX / STATE_DICT_KEY_NAME")
         )
     model.load_state_dict(new_state, strict=False)
     missing = [k for k in own if k not in new_state and not any(s in k for s in skip)]

@@ -27,6 +27,28 @@ class CheckpointError(UserError):
     """A checkpoint file or folder cannot be used."""
 
 
+# scheme://...: http(s), ftp, s3, gs, manifold (VISSL's iopath paths), file
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def is_url(value: object) -> bool:
+    """Whether a path value of the config is a URL (``scheme://...``) rather than a local path."""
+    return isinstance(value, str) and _URL_RE.match(value.strip()) is not None
+
+
+def url_error(key: str, value: str, output: bool = False) -> ConfigError:
+    """The error for a URL given where ssl_engine needs a local path: ``key`` and the URL as given.
+
+    VISSL downloads a PARAMS_FILE URL into CHECKPOINT.DIR/params_file_cache; ssl_engine runs
+    without network access and never downloads (the README says so)."""
+    if output:
+        return ConfigError(f"{key}: {value} is a URL; ssl_engine writes only to local folders: set {key} to a local folder")
+    return ConfigError(
+        f"{key}: {value} is a URL; ssl_engine does not download files (no network access at run time): "
+        f"fetch it first (e.g. wget or curl -o) and set {key} to the local path"
+    )
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; training stops without checkpointing that state."""
 

@@ -41,6 +41,10 @@ BASE = [
 ]
 
 
+# a VISSL model-zoo file, as users paste it into PARAMS_FILE
+ZOO_URL = ("https://dl.fbaipublicfiles.com/vissl/model_zoo/simclr_rn50_800ep_simclr_8node_resnet_16_07_20.7e8feed1/"
+           "model_final_checkpoint_phase799.torch")
+
 # the TRAIN split read from a CIFAR-10 folder by the torchvision_dataset source
 TV_CIFAR = ("config.DATA.TRAIN.DATA_SOURCES=[torchvision_dataset]", "config.DATA.TRAIN.LABEL_SOURCES=[torchvision_dataset]",
             "config.DATA.TRAIN.DATASET_NAMES=[CIFAR10]")
@@ -244,6 +248,22 @@ ROWS: List[Row] = [
       ("config.CHECKPOINT.RESUME_FROM", "{fx}/nothere.torch", "does not exist"), tool=False),
     R("resume-from-a-folder", ("config.CHECKPOINT.RESUME_FROM={fx}",),
       ("config.CHECKPOINT.RESUME_FROM", "{fx} is a folder; name a checkpoint file"), tool=False),
+    # -- URLs where a local path belongs: the key and the URL as given, no download ------------------
+    R("url-weights-file", (f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={ZOO_URL}",),
+      (f"error: config.MODEL.WEIGHTS_INIT.PARAMS_FILE: {ZOO_URL} is a URL; ssl_engine does not download files "
+       "(no network access at run time): fetch it first", "set config.MODEL.WEIGHTS_INIT.PARAMS_FILE to the local path"),
+      folder="fresh"),
+    R("url-resume-from", ("config.CHECKPOINT.RESUME_FROM=https://example.org/run/checkpoint.torch",),
+      ("config.CHECKPOINT.RESUME_FROM: https://example.org/run/checkpoint.torch is a URL", "does not download"),
+      tool=False),
+    R("url-data-path", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                        "config.DATA.TRAIN.DATA_PATHS=[s3://bucket/images.npy]",
+                        "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels5.npy]"),
+      ("config.DATA.TRAIN.DATA_PATHS[0]: s3://bucket/images.npy is a URL", "fetch it first"), tool=False),
+    R("url-label-path", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                         "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
+                         "config.DATA.TRAIN.LABEL_PATHS=[http://example.org/labels.npy]"),
+      ("config.DATA.TRAIN.LABEL_PATHS[0]: http://example.org/labels.npy is a URL",), tool=False),
     R("weights-file-not-torch", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/garbage.torch",),
       ("{fx}/garbage.torch is not a file written by torch.save (it starts with b'not a ch",), folder="fresh",
       tool=False),
@@ -545,3 +565,16 @@ def test_more_loader_workers_than_the_ranks_machine_can_start_is_one_line(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "config.DATA.NUM_DATALOADER_WORKERS=100" in err[0] and "(2 CPUs)" in err[0] and "at most 64" in err[0], err[0]
+
+
+def test_a_url_as_an_output_folder_creates_nothing(tmp_path, capsys, monkeypatch):
+    """CHECKPOINT.DIR (or another folder the run writes) given as a URL: one line naming the key and
+    the URL, and no folder named after it ('s3:/bucket/...') appears where the command ran."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("config.CHECKPOINT.DIR", "config.HOOKS.TENSORBOARD_SETUP.LOG_DIR"):
+        capsys.readouterr()
+        code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"{key}=s3://bucket/runs/x"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err == (f"error: {key}: s3://bucket/runs/x is a URL; ssl_engine writes only to local "
+                                     f"folders: set {key} to a local folder"), err
+        assert list(tmp_path.iterdir()) == []

@@ -214,3 +214,95 @@ def test_init_errors_name_the_file(tmp_path):
     torch.save({"classy_state_dict": {"meta": 3}}, str(tmp_path / "empty.torch"))
     with pytest.raises(CheckpointError, match="holds no weights"):
         ck.init_model_from_weights(model, weights_cfg(tmp_path / "empty.torch"))
+
+
+def vissl_layout_file(path, src, trunk_prefix=""):
+    """``src``'s weights saved as VISSL does: classy_state_dict.base_model.model.{trunk, heads}."""
+    state = {"trunk": {trunk_prefix + k[6:]: v for k, v in src.state_dict().items() if k.startswith("trunk.")},
+             "heads": {k[6:]: v for k, v in src.state_dict().items() if k.startswith("heads.")}}
+    torch.save({"classy_state_dict": {"base_model": {"model": state, "meta": {}}}}, str(path))
+
+
+def test_prefixes_do_not_apply_to_a_classy_state_dict_as_in_vissl(tmp_path, caplog):
+    """VISSL's fulltune / low-shot configs set APPEND_PREFIX: trunk. with STATE_DICT_KEY_NAME:
+    classy_state_dict; VISSL applies the prefixes only for other STATE_DICT_KEY_NAMEs, and so do we
+    (one info line says they were not applied)."""
+    import logging
+
+    torch.manual_seed(5)
+    src = resnet18_model()
+    vissl_layout_file(tmp_path / "vissl.torch", src)
+    for kw in ({"APPEND_PREFIX": "trunk."}, {"REMOVE_PREFIX": "module.", "APPEND_PREFIX": "trunk._feature_blocks."}):
+        torch.manual_seed(6)
+        model = resnet18_model()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ssl_engine.checkpoint"):
+            report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "vissl.torch",
+                                                                   STATE_DICT_KEY_NAME="classy_state_dict", **kw))
+        assert not report["missing"] and not report["unexpected"], kw
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), src.state_dict().values()))
+        said = [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()]
+        assert len(said) == 1 and all(f"{k}={v!r}" in said[0] for k, v in kw.items()), caplog.text
+        assert "STATE_DICT_KEY_NAME=classy_state_dict" in said[0]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # another STATE_DICT_KEY_NAME ('' reads the file's classy_state_dict too): the prefix applies, as in VISSL
+    with pytest.raises(UserError, match="none of its .* weights match .*'trunk.trunk._feature_blocks.conv1.weight'"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "vissl.torch", STATE_DICT_KEY_NAME="",
+                                                                 APPEND_PREFIX="trunk."))
+
+
+def test_a_vissl_feature_extractor_trunk_loads_without_its_base_model_prefix(tmp_path):
+    """A trunk saved by a VISSL feature evaluation is named base_model._feature_blocks.*; VISSL
+    drops base_model. for a model that is not a feature extractor, and so do we."""
+    torch.manual_seed(7)
+    src = resnet18_model()
+    vissl_layout_file(tmp_path / "eval.torch", src, trunk_prefix="base_model.")
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "eval.torch", APPEND_PREFIX="trunk."))
+    assert not report["missing"] and not report["unexpected"]
+    assert torch.equal(model.state_dict()["trunk._feature_blocks.conv1.weight"],
+                       src.state_dict()["trunk._feature_blocks.conv1.weight"])
+
+
+def test_a_plain_state_dict_under_the_default_key_name_still_takes_the_prefixes(tmp_path):
+    """STATE_DICT_KEY_NAME is classy_state_dict by default; a torchvision file has no such key, so
+    its weights are read from the top and the prefixes apply (VISSL would stop on the missing key)."""
+    torch.manual_seed(8)
+    tv = torchvision.models.resnet18()
+    torch.save(tv.state_dict(), str(tmp_path / "tv.pth"))
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "tv.pth", APPEND_PREFIX="trunk._feature_blocks."))
+    assert torch.equal(model.state_dict()["trunk._feature_blocks.conv1.weight"], tv.state_dict()["conv1.weight"])
+    assert "trunk._feature_blocks.fc.weight" in report["unexpected"]
+
+
+def test_a_vissl_fulltune_config_loads_a_pretraining_through_the_tool(tmp_path):
+    """End to end: pretrain a tiny SimCLR, then fine-tune from its final checkpoint the way VISSL's
+    fulltune configs say it (EVAL_MODE_ON, STATE_DICT_KEY_NAME: classy_state_dict, APPEND_PREFIX:
+    trunk.). With the learning rate at 0 every trunk weight of the fine-tuned run's checkpoint is
+    the pretraining's."""
+    from conftest import run_tool
+
+    small = ["config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.DATA_LIMIT=8", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4",
+             "config.DATA.NUM_DATALOADER_WORKERS=0"]
+    pre = tmp_path / "pre"
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={pre}", *small])
+    assert r.returncode == 0, r.stderr[-3000:]
+    params = pre / "model_final_checkpoint_phase0.torch"
+    ft = tmp_path / "ft"
+    r = run_tool(["config=quick/supervised_digits", f"config.CHECKPOINT.DIR={ft}", *small, "config.TEST_MODEL=false",
+                  "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=true",
+                  f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={params}",
+                  "config.MODEL.WEIGHTS_INIT.STATE_DICT_KEY_NAME=classy_state_dict",
+                  "config.MODEL.WEIGHTS_INIT.APPEND_PREFIX=trunk.",
+                  "config.OPTIMIZER.param_schedulers.lr.start_value=0.0",
+                  "config.OPTIMIZER.param_schedulers.lr.end_value=0.0"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "config.MODEL.WEIGHTS_INIT.APPEND_PREFIX='trunk.' not applied" in r.stdout
+    before = ck.load_checkpoint(params)["classy_state_dict"]["base_model"]["model"]["trunk"]
+    after = ck.load_checkpoint(ft / "model_final_checkpoint_phase0.torch")["classy_state_dict"]["base_model"]["model"]["trunk"]
+    learned = [k for k in before if "running_" not in k and "num_batches" not in k]
+    assert len(learned) > 50 and set(learned) <= set(after)
+    assert all(torch.equal(before[k], after[k]) for k in learned)
+    # the first run's head (a 64-d projection) is not the fine-tuning's (10 classes), left out by EVAL_MODE_ON
+    assert "initialised weights from" in r.stdout and "0 unexpected" in r.stdout

@@ -333,11 +333,79 @@ def test_keep_last_and_overwrite_existing(setup, tmp_path):
     names = sorted(p.name for p in folder.glob("model_*.torch"))
     assert f"model_final_checkpoint_phase{EPOCHS - 1}.torch" in names
     assert len([n for n in names if "final" not in n]) == 2, names
-    r = run(cfg, folder, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=1",
-            "config.TEST_MODEL=false")
+    # started over: the finished run's files are moved aside, never deleted, never pruned by the new run
+    kept = sorted(p.name for p in folder.glob("model_*.torch"))
+    r = run(cfg, folder, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.CHECKPOINT.AUTO_RESUME=false",
+            "config.OPTIMIZER.num_epochs=1", "config.TEST_MODEL=false", "config.CHECKPOINT.KEEP_LAST=2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (folder / "model_final_checkpoint_phase0.torch").exists()
     assert not (folder / f"model_final_checkpoint_phase{EPOCHS - 1}.torch").exists()
+    assert sorted(p.name for p in (folder / "previous_run.1").glob("model_*.torch")) == kept
+
+
+def file_states(folder):
+    """name -> (bytes, mtime) of every file and link under ``folder`` but log.txt (a rerun appends to it)."""
+    out = {}
+    for p in sorted(Path(folder).rglob("*")):
+        rel = str(p.relative_to(folder))
+        if p.name == "log.txt" or (p.is_dir() and not p.is_symlink()):
+            continue
+        content = "-> " + os.readlink(p) if p.is_symlink() else p.read_bytes()
+        out[rel] = (content, p.lstat().st_mtime_ns)
+    return out
+
+
+def test_overwrite_existing_resumes_a_finished_run_as_vissl_and_deletes_nothing(setup, reference, tmp_path):
+    """VISSL's CHECKPOINT.OVERWRITE_EXISTING only lifts the "training finished" check: with
+    AUTO_RESUME the run resumes from the folder's newest checkpoint, the final one, so nothing is
+    left to run (the finished message, exit 0, every file as it was); with more epochs it trains on."""
+    root, cfg = setup
+    folder = tmp_path / "finished"
+    shutil.copytree(reference[0], folder, symlinks=True)
+    before = file_states(folder)
+    r = run(cfg, folder, "config.CHECKPOINT.OVERWRITE_EXISTING=true")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert f"the run in {folder} has finished (model_final_checkpoint_phase{EPOCHS - 1}.torch exists); nothing to do" in out
+    assert "AUTO_RESUME=false to train again from scratch" in out
+    assert file_states(folder) == before
+    r = run(cfg, folder, "config.CHECKPOINT.OVERWRITE_EXISTING=true", f"config.OPTIMIZER.num_epochs={EPOCHS + 1}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {folder / f'model_final_checkpoint_phase{EPOCHS - 1}.torch'}" in r.stdout
+    assert (folder / f"model_final_checkpoint_phase{EPOCHS}.torch").is_file()
+    after = file_states(folder)
+    assert all(after[name] == state for name, state in before.items() if name.startswith("model_")), "a file changed"
+
+
+def test_a_new_run_from_scratch_never_resumes_the_earlier_runs_files(setup, reference, tmp_path):
+    """OVERWRITE_EXISTING with AUTO_RESUME=false trains a finished folder again from scratch (VISSL).
+    The earlier run's files are moved into previous_run.1 first (same bytes and times), so when the
+    new run is killed, before or after its first checkpoint, the next run resumes from the new run's
+    own newest checkpoint or starts afresh, never from the earlier run's; and it ends bit for bit
+    where an uninterrupted run does."""
+    root, cfg = setup
+    folder = tmp_path / "again"
+    shutil.copytree(reference[0], folder, symlinks=True)
+    earlier = file_states(folder)
+    sync = "config.CHECKPOINT.ASYNC_WRITE=false"  # the iteration-4 file is on disk at the kill
+    # killed at step 1, before its first checkpoint (every 2 iterations)
+    r = run(cfg, folder, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.CHECKPOINT.AUTO_RESUME=false", sync,
+            kill="step:1")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert "moved" in r.stdout and str(folder / "previous_run.1") in r.stdout
+    assert file_states(folder / "previous_run.1") == {n: s for n, s in earlier.items()}
+    assert not list(folder.glob("model_*.torch")) and not os.path.lexists(folder / "checkpoint.torch")
+    # the next run (AUTO_RESUME on) finds no checkpoint of its own: it starts afresh; killed at step 4
+    r = run(cfg, folder, sync, kill="step:4")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert "resumed from" not in r.stdout + r.stderr
+    # and the next one resumes from that run's own newest checkpoint
+    r = run(cfg, folder, sync)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {folder / 'model_iteration4.torch'} " in r.stdout
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+    assert file_states(folder / "previous_run.1") == earlier
+    assert not (folder / "previous_run.2").exists()
 
 
 def train_reads(path):

@@ -353,6 +353,40 @@ def check_ranges(cfg: Dict[str, Any]) -> None:
             )
 
 
+# config keys that name local files or folders: read (False) or written (True)
+_PATH_KEYS = [
+    ("MODEL.WEIGHTS_INIT.PARAMS_FILE", False),
+    ("CHECKPOINT.RESUME_FROM", False),
+    ("NEAREST_NEIGHBOR.FEATURES.PATH", False),
+    ("CHECKPOINT.DIR", True),
+    ("EXTRACT_FEATURES.OUTPUT_DIR", True),
+    ("HOOKS.TENSORBOARD_SETUP.LOG_DIR", True),
+    ("PROFILING.OUTPUT_FOLDER", True),
+    ("SLURM.LOG_FOLDER", True),
+]
+
+
+def check_no_urls(cfg: Dict[str, Any]) -> None:
+    """A URL where a local path belongs is one clear error naming the key and the URL as given
+    (a path would otherwise collapse its '//' and be reported missing, or be created as a folder)."""
+    from ssl_engine.errors import is_url, url_error
+
+    for dotted, output in _PATH_KEYS:
+        try:
+            value = _get(cfg, dotted)
+        except (KeyError, TypeError):
+            continue
+        if is_url(value):
+            raise url_error(f"config.{dotted}", value, output=output)
+    for split in ("TRAIN", "TEST"):
+        d = cfg["DATA"][split]
+        for key in ("DATA_PATHS", "LABEL_PATHS"):
+            for i, entry in enumerate(d.get(key) or []):
+                for value in entry if isinstance(entry, list) else [entry]:
+                    if is_url(value):
+                        raise url_error(f"config.DATA.{split}.{key}[{i}]", value)
+
+
 def without_unextracted_splits(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """For an extract_features run, ``cfg`` with the DATA splits that EXTRACT_FEATURES.SPLITS
     leaves out reset to their defaults (no DATA_SOURCES); ``cfg`` itself otherwise.
@@ -508,6 +542,7 @@ def validate(
         raise ConfigError("; ".join(problems))
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
+    check_no_urls(without_unextracted_splits(cfg))
     check_ranges(without_unextracted_splits(cfg))
     from ssl_engine.config.infer import infer_settings
 

@@ -1,21 +1,19 @@
 """The train engine: resume or start, then run the phases with the default hooks."""
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import (
-    POINTER,
     atomic_write_text,
     final_checkpoint,
     final_phase,
     is_engine_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     newest_good_checkpoint,
     resume_from_file,
+    set_aside_previous_run,
 )
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.compose import to_yaml
@@ -27,19 +25,6 @@ from ssl_engine.registry import ENGINES
 from ssl_engine.trainer import SelfSupervisionTrainer
 
 log = logging.getLogger(__name__)
-
-
-def clear_finished_run(folder: Path) -> None:
-    """CHECKPOINT.OVERWRITE_EXISTING: remove a finished run's checkpoints and logs (rank 0)."""
-    for p in list_checkpoints(folder):
-        p.unlink()
-    for name in (POINTER, "metrics.json", "stdout.json"):
-        p = folder / name
-        if p.is_symlink() or p.exists():
-            p.unlink()
-    tb = folder / "tb_logs"
-    if tb.is_dir():
-        shutil.rmtree(tb)
 
 
 def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
@@ -59,13 +44,33 @@ def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
     return (str(found[0]), found[1]) if found else None
 
 
+class _NothingLeft(Exception):
+    """The folder's own newest checkpoint leaves no phase to run (a finished run resumed under
+    CHECKPOINT.OVERWRITE_EXISTING): the run ends with the finished message, exit 0."""
+
+
+def _finished_message(folder: Path, final_name: str, cfg: AttrDict) -> str:
+    """The line for a finished run in ``folder`` that this command leaves as it is."""
+    if cfg.CHECKPOINT.OVERWRITE_EXISTING:  # it resumed from its newest checkpoint, which ends the run
+        how = ("With config.CHECKPOINT.OVERWRITE_EXISTING=true it resumed from its newest checkpoint, as in VISSL: raise "
+               "config.OPTIMIZER.num_epochs to train on, or set config.CHECKPOINT.AUTO_RESUME=false to train again from "
+               "scratch (the run's files are then moved into a previous_run.N subfolder)")
+    else:
+        how = ("Set config.CHECKPOINT.OVERWRITE_EXISTING=true to run it again: with config.OPTIMIZER.num_epochs raised it "
+               "trains on, with config.CHECKPOINT.AUTO_RESUME=false it starts over")
+    return f"the run in {folder} has finished ({final_name} exists); nothing to do. {how}"
+
+
 class _Trainer(SelfSupervisionTrainer):
     """Writes train_config.yaml once setup has succeeded: a config that fails to build or to
-    resume never replaces the one that goes with the folder's checkpoints."""
+    resume never replaces the one that goes with the folder's checkpoints. A run that starts
+    from scratch first moves an earlier run's checkpoints out of its way (rank 0)."""
 
     def setup(self) -> Any:
         task = super().setup()
         if self.checkpoint_path and task.done_training():
+            if not self.cfg.CHECKPOINT.RESUME_FROM and Path(self.checkpoint_path).name.startswith("model_final_"):
+                raise _NothingLeft(Path(self.checkpoint_path).name)
             # a finished run is found by its final checkpoint before this; here the checkpoint
             # came from elsewhere (RESUME_FROM, a pointer) or the config now has fewer phases
             raise UserError(
@@ -74,6 +79,10 @@ class _Trainer(SelfSupervisionTrainer):
                 f"new run from its weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
             )
         if du.is_primary():
+            if not self.checkpoint_path:
+                # after the weights are loaded (PARAMS_FILE may be one of those files) and before
+                # any hook opens metrics.json, stdout.json or tb_logs
+                set_aside_previous_run(Path(self.checkpoint_folder))
             atomic_write_text(Path(self.checkpoint_folder) / "train_config.yaml", to_yaml(self.cfg))
         return task
 
@@ -119,20 +128,15 @@ def _refuse_training_checkpoint_for_test_only(cfg: AttrDict, path: str, train_ph
 
 
 def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
+    # VISSL's rules: a folder with a final checkpoint holds a finished run, and is left alone
+    # unless CHECKPOINT.OVERWRITE_EXISTING; that key only lifts this check. The run then resumes
+    # from the folder's newest checkpoint under AUTO_RESUME, or starts from scratch without it
+    # (the earlier run's files moved aside, see _Trainer). Nothing is ever deleted.
     finished = final_checkpoint(folder)
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
         _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))
-    if finished is not None and not cfg.CHECKPOINT.RESUME_FROM:
-        if not cfg.CHECKPOINT.OVERWRITE_EXISTING:
-            log.info(
-                "the run in %s has finished (%s exists); nothing to do. "
-                "Set config.CHECKPOINT.OVERWRITE_EXISTING=true to run it again.", folder, finished.name,
-            )
-            return None
-        if du.is_primary():
-            log.warning("CHECKPOINT.OVERWRITE_EXISTING: removing the finished run's checkpoints in %s", folder)
-            clear_finished_run(folder)
-        du.barrier()
+        log.info(_finished_message(folder, finished.name, cfg))
+        return None
     resume = resume_checkpoint(cfg)
     if resume is not None:
         _refuse_training_checkpoint_for_test_only(cfg, resume[0], int(resume[1].get("train_phase_idx", -1)))
@@ -142,4 +146,8 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
         cfg, info.init_method, resume[0] if resume else None, str(folder), default_hooks(cfg),
         local_rank=info.local_rank, checkpoint=resume[1] if resume else None,
     )
-    return trainer.train()
+    try:
+        return trainer.train()
+    except _NothingLeft as e:
+        log.info(_finished_message(folder, str(e), cfg))
+        return None

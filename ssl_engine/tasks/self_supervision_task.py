@@ -415,8 +415,8 @@ class SelfSupervisionTask(ClassyTask):
                 why = " ".join(str(e).split())[:300]
                 raise CheckpointError(
                     f"its weights do not fit this model ({why}); the model config differs from the run that "
-                    f"wrote it: use a new config.CHECKPOINT.DIR, or set config.CHECKPOINT.OVERWRITE_EXISTING=true "
-                    f"to start this folder over"
+                    f"wrote it: use a new config.CHECKPOINT.DIR, or set config.CHECKPOINT.AUTO_RESUME=false to start "
+                    f"this folder over (its files are moved into a previous_run.N subfolder)"
                 ) from None
 
     def _hook_keys(self) -> List[Any]:

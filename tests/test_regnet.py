@@ -114,6 +114,16 @@ def test_older_trunk_params_layout_and_command_line_without_plus() -> None:
     assert n_params(build_model(cfg.MODEL, cfg.OPTIMIZER).trunk) == 3_903_144
 
 
+def test_a_vissl_yaml_with_trunk_params_composes(tmp_path: Path) -> None:
+    """VISSL's pretrain/swav/models/regnet*.yaml write the options under TRUNK_PARAMS.REGNET."""
+    path = tmp_path / "regnet_yaml.yaml"
+    path.write_text("# @package _global_\nconfig:\n  MODEL:\n    TRUNK:\n      NAME: regnet\n      TRUNK_PARAMS:\n"
+                    "        REGNET:\n          name: regnet_y_400mf\n    HEAD:\n      PARAMS: [[mlp, {dims: [440, 10]}]]\n")
+    cfg = compose([f"config={path}"])
+    assert cfg.MODEL.TRUNK.REGNET == {"name": "regnet_y_400mf"}
+    assert build_model(cfg.MODEL, cfg.OPTIMIZER).output_sizes() == [10]
+
+
 @pytest.mark.parametrize("regnet,must", [
     ({"name": "regnet_y_400m"}, ["MODEL.TRUNK.REGNET.name='regnet_y_400m'", "did you mean regnet_y_400mf", "regnet_y_16gf"]),
     ({}, ["MODEL.TRUNK.REGNET is empty", "regnet_y_400mf"]),

@@ -2,6 +2,7 @@
 flatten; ``_feature_blocks.*`` state-dict keys), its config checks, and a training run plus an
 extraction of two of its layers through the real tool."""
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
@@ -144,6 +145,14 @@ def test_bad_settings_name_the_key(regnet: Dict[str, Any], must: List[str]) -> N
     assert "\n" not in msg
     for text in must:
         assert text in msg, msg
+
+
+def test_keys_beside_a_preset_are_ignored_with_a_warning(caplog) -> None:
+    """As in VISSL, a preset name builds the preset; what else the section holds is named, not applied."""
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.models.trunks.regnet"):
+        trunk = build({"name": "regnet_y_400mf", "bn_epsilon": 0.001, "depth": 3}).trunk
+    assert n_params(trunk) == 3_903_144 and trunk._feature_blocks["conv1"].stem[1].eps == 1e-5
+    assert "bn_epsilon, depth ignored beside the preset name 'regnet_y_400mf'" in caplog.text
 
 
 def test_gray_input_is_refused_and_anynet_builds() -> None:

@@ -740,7 +740,7 @@ def test_every_problem_of_a_file_is_named_at_once(tmp_path):
     "config.MODEL.TRUNK.RESNETS.LAYER4_STRIDE=1", "config.DATA.TRAIN.DATA_LIMIT_SAMPLING.SKIP_NUM_SAMPLES=4",
     "config.DATA.TRAIN.DATA_LIMIT_SAMPLING.IS_BALANCED=true", "config.DATA.TRAIN.MMAP_MODE=false",
     "config.DATA.TRAIN.REMOVE_IMG_PATH_PREFIX=/old", "config.DATA.TRAIN.NEW_IMG_PATH_PREFIX=/new",
-    "config.PROFILING.STOP_TRAINING_AFTER_PROFILING=true",
+    "config.PROFILING.STOP_TRAINING_AFTER_PROFILING=true", "config.MODEL.TRUNK.REGNET.name=regnet_y_400mf",
 ])
 def test_keys_the_engine_acts_on_are_not_called_unused(override, caplog):
     """A key the code reads is not [compat]: setting it must not log that it is not acted on."""

@@ -459,6 +459,15 @@ def _explain_hydra_error(e: Exception) -> str:
     return f"cannot compose the config: {msg or type(e).__name__}"
 
 
+# Sections that are ``{}`` in defaults.yaml and whose keys are a part's own options (VISSL's
+# ``MODEL.TRUNK.REGNET: {name: regnet_y_400mf}``): set from the command line without '+'.
+_FREE_FORM_SECTIONS = ("config.MODEL.TRUNK.REGNET",)
+
+
+def _is_option_of_free_form_section(key: str) -> bool:
+    return any(key == s or key.startswith(s + ".") for s in _FREE_FORM_SECTIONS)
+
+
 def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> AttrDict:
     """Compose, validate and return the config (the ``config:`` node plus ``engine_name``).
 
@@ -493,6 +502,8 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if key.startswith("+"):
                 added_keys.append(key.lstrip("+"))
             command_line.append(key)
+            if _is_option_of_free_form_section(key):
+                key = f"++{key}"  # not in defaults.yaml's {}, so hydra wants '+' (or none when a yaml set it)
             hydra_overrides.append(f"{key}={value}")
         user_file = None
         if experiment is not None:

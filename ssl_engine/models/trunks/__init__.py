@@ -103,8 +103,9 @@ class FeatureTrunk(nn.Module):
         return [outputs[self._feature_to_block[k]] for k in keys]
 
 
-from ssl_engine.models.trunks import mlp, resnet  # noqa: E402,F401  (registers the trunks)
+from ssl_engine.models.trunks import mlp, regnet, resnet  # noqa: E402,F401  (registers the trunks)
 from ssl_engine.models.trunks.mlp import MLPTrunk  # noqa: E402
+from ssl_engine.models.trunks.regnet import RegNetTrunk  # noqa: E402
 from ssl_engine.models.trunks.resnet import ResNetTrunk  # noqa: E402
 
-__all__ = ["FeatureTrunk", "MLPTrunk", "ResNetTrunk"]
+__all__ = ["FeatureTrunk", "MLPTrunk", "RegNetTrunk", "ResNetTrunk"]

@@ -29,6 +29,7 @@ from classy_vision.losses import ClassyLoss
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.gather import all_reduce_sum_with_grad, is_distributed
+from ssl_engine.losses.outputs import single_output
 from ssl_engine.registry import LOSSES
 
 KEY = "config.LOSS.barlow_twins_loss"
@@ -85,14 +86,7 @@ class BarlowTwinsLoss(ClassyLoss):
             )
 
     def _embedding(self, output: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor):
-            items = list(output)
-            if len(items) != 1 or not isinstance(items[0], torch.Tensor):
-                raise UserError(
-                    f"barlow_twins_loss expects one head output (the projection), got {len(items)}; "
-                    "check config.MODEL.HEAD.PARAMS"
-                )
-            output = items[0]
+        output = single_output(output, "barlow_twins_loss")
         if output.ndim != 2 or output.shape[1] != self.embedding_dim:
             raise UserError(
                 f"{KEY}.embedding_dim={self.embedding_dim} does not match the embeddings of shape "

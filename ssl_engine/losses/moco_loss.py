@@ -25,6 +25,7 @@ from classy_vision.losses import ClassyLoss
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.gather import is_distributed
+from ssl_engine.losses.outputs import single_output
 from ssl_engine.registry import LOSSES
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class MoCoLoss(ClassyLoss):
     # ------------------------------------------------------------------ forward
     def forward(self, output: Union[torch.Tensor, Sequence[torch.Tensor]], target: Any = None) -> torch.Tensor:
         """The loss of this rank's queries; in training mode the keys then enter the queue."""
-        query = output if isinstance(output, torch.Tensor) else _single(list(output))
+        query = single_output(output, "moco_loss")
         if query.ndim != 2 or query.shape[1] != self.embedding_dim:
             raise UserError(
                 f"{KEY}.embedding_dim={self.embedding_dim} does not match the head's output of shape "
@@ -136,10 +137,3 @@ class MoCoLoss(ClassyLoss):
         return (f"embedding_dim={self.embedding_dim}, queue_size={self.queue_size}, momentum={self.momentum}, "
                 f"temperature={self.temperature}")
 
-
-def _single(items: List[Any]) -> torch.Tensor:
-    if len(items) != 1 or not isinstance(items[0], torch.Tensor):
-        raise UserError(
-            f"moco_loss expects one head output (the embedding), got {len(items)}; check config.MODEL.HEAD.PARAMS"
-        )
-    return items[0]

@@ -23,6 +23,7 @@ from classy_vision.losses import ClassyLoss
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.gather import gather_with_grad, is_distributed
+from ssl_engine.losses.outputs import single_output
 from ssl_engine.registry import LOSSES
 
 KEY = "config.LOSS.multicrop_simclr_info_nce_loss"
@@ -59,14 +60,7 @@ class MultiCropSimclrInfoNCELoss(ClassyLoss):
                    buffer_params=cfg.get("buffer_params", {}))
 
     def _embedding(self, output: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor):
-            items = list(output)
-            if len(items) != 1:
-                raise UserError(
-                    f"multicrop_simclr_info_nce_loss expects one head output (the projection), got {len(items)}; "
-                    "check config.MODEL.HEAD.PARAMS"
-                )
-            output = items[0]
+        output = single_output(output, "multicrop_simclr_info_nce_loss")
         if output.ndim != 2 or output.shape[0] % self.num_crops:
             raise UserError(
                 f"multicrop_simclr_info_nce_loss got embeddings of shape {tuple(output.shape)}, which is not "

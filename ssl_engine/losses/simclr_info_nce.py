@@ -21,6 +21,7 @@ from classy_vision.losses import ClassyLoss
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.gather import gather_with_grad, is_distributed
+from ssl_engine.losses.outputs import single_output
 from ssl_engine.registry import LOSSES
 
 
@@ -52,14 +53,7 @@ class SimclrInfoNCELoss(ClassyLoss):
 
     @staticmethod
     def _embedding(output: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor):
-            items = list(output)
-            if len(items) != 1:
-                raise UserError(
-                    f"simclr_info_nce_loss expects one head output (the projection), got {len(items)}; "
-                    "check config.MODEL.HEAD.PARAMS"
-                )
-            output = items[0]
+        output = single_output(output, "simclr_info_nce_loss")
         if output.ndim != 2 or output.shape[0] % 2:
             raise ValueError(
                 f"simclr_info_nce_loss expects embeddings of shape [2n, D] (two views per image), "

@@ -101,3 +101,23 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"value differs at {where}: {a!r} vs {b!r}"
+
+
+def classy_state(path: Any) -> Dict[str, Any]:
+    """The ``classy_state_dict`` of a checkpoint file, loaded on the CPU as the engine loads it."""
+    import torch
+
+    return torch.load(str(path), map_location="cpu", weights_only=True)["classy_state_dict"]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny CPU models run faster on one torch thread than on oversubscribed ones; restored afterwards.
+    Modules use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+

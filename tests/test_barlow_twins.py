@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_bitwise_equal, run_tool
+from conftest import assert_bitwise_equal, classy_state, run_tool
 from ssl_engine.config import compose
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.data.dataset import sample_seed, seeded_rng
@@ -459,8 +459,7 @@ def test_lars_run_resumed_from_a_mid_phase_checkpoint_equals_the_straight_run(tm
     assert r.returncode == 0, r.stderr[-3000:]
 
     def state(folder):
-        ck = torch.load(str(folder / "model_final_checkpoint_phase1.torch"), map_location="cpu",
-                        weights_only=True)["classy_state_dict"]
+        ck = classy_state(folder / "model_final_checkpoint_phase1.torch")
         return {"model": ck["base_model"], "optimizer": ck["optimizer"]}
 
     assert_bitwise_equal(state(straight), state(resumed))

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import assert_bitwise_equal, run_tool
+from conftest import assert_bitwise_equal, classy_state, run_tool
 from ssl_engine.data.collators import moco_collator
 from ssl_engine.errors import UserError
 from ssl_engine.hooks import MoCoHook
@@ -117,8 +117,7 @@ SMALL = ["config.DATA.TRAIN.DATA_LIMIT=16", "config.DATA.TRAIN.BATCHSIZE_PER_REP
 
 
 def _final(folder):
-    ck = torch.load(str(Path(folder) / "model_final_checkpoint_phase1.torch"), map_location="cpu",
-                    weights_only=True)["classy_state_dict"]
+    ck = classy_state(Path(folder) / "model_final_checkpoint_phase1.torch")
     return {"model": ck["base_model"], "loss": ck["loss"], "optimizer": ck["optimizer"]}
 
 
@@ -154,6 +153,5 @@ def test_two_ranks_share_one_queue_and_shuffle_the_key_batch(tmp_path):
                   "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2", "config.OPTIMIZER.num_epochs=1",
                   "config.LOSS.moco_loss.queue_size=12"])
     assert r.returncode == 0, r.stderr[-3000:]
-    ck = torch.load(str(folder / "model_final_checkpoint_phase0.torch"), map_location="cpu",
-                    weights_only=True)["classy_state_dict"]
+    ck = classy_state(folder / "model_final_checkpoint_phase0.torch")
     assert int(ck["loss"]["queue_ptr"]) == (4 * 4) % 12  # 4 steps of 4 gathered keys

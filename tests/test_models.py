@@ -1,6 +1,6 @@
 """Unit tests for ssl_engine.models: trunks, heads, SSLModel modes and the build-time checks."""
 
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -42,13 +42,7 @@ def build(cfg: AttrDict) -> SSLModel:
     return build_model(cfg, AttrDict({}))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny CPU models run faster on one thread than on oversubscribed ones; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 RESNET_LAYERS = ["conv1", "res1", "res2", "res3", "res4", "res5", "res5avg", "flatten"]

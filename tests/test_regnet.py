@@ -5,7 +5,7 @@ extraction of two of its layers through the real tool."""
 import logging
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -27,12 +27,7 @@ Y400MF = {"depth": 16, "w_0": 48, "w_a": 27.89, "w_m": 2.09, "group_width": 8}  
 TINY = {"depth": 4, "w_0": 16, "w_a": 8.0, "w_m": 2.0, "group_width": 8, "stem_width": 16, "use_se": False}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_config(regnet: Dict[str, Any], heads: List[Any] = (), eval_settings: Dict[str, Any] = None) -> AttrDict:

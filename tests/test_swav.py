@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_bitwise_equal, run_tool
+from conftest import assert_bitwise_equal, classy_state, run_tool
 from ssl_engine.config import compose
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.data.collators import build_collator
@@ -340,7 +340,7 @@ def swav_run(tmp_path_factory):
 def test_swav_trains_through_the_tool(swav_run):
     losses = [m["train_loss"] for m in _metrics(swav_run)]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses) and losses[1] < losses[0], losses
-    ck = torch.load(str(swav_run / "checkpoint.torch"), map_location="cpu", weights_only=True)["classy_state_dict"]
+    ck = classy_state(swav_run / "checkpoint.torch")
     w = ck["base_model"]["model"]["heads"]["0.prototypes0.weight"]
     assert w.shape == (20, 32) and torch.allclose(w.norm(dim=1), torch.ones(20), atol=1e-5)
     assert ck["loss"]["_extra_state"] == {"num_iteration": 8}
@@ -358,8 +358,7 @@ def test_swav_resumed_from_a_mid_phase_checkpoint_equals_the_straight_run(swav_r
     assert r.returncode == 0, r.stderr[-3000:]
 
     def state(folder):
-        ck = torch.load(str(folder / "model_final_checkpoint_phase1.torch"), map_location="cpu",
-                        weights_only=True)["classy_state_dict"]
+        ck = classy_state(folder / "model_final_checkpoint_phase1.torch")
         return {"model": ck["base_model"], "loss": ck["loss"], "optimizer": ck["optimizer"]}
 
     assert_bitwise_equal(state(swav_run), state(resumed))
@@ -399,7 +398,7 @@ def test_two_ranks_resume_each_ranks_queue(tmp_path):
     straight = tmp_path / "straight"
     r = run_tool([QUICK, f"config.CHECKPOINT.DIR={straight}", *two])
     assert r.returncode == 0, r.stderr[-3000:]
-    ck = torch.load(str(straight / "model_iteration3.torch"), map_location="cpu", weights_only=True)["classy_state_dict"]
+    ck = classy_state(straight / "model_iteration3.torch")
     queues = [s["loss"]["local_emb_queue"] for s in ck["rank_states"]]
     assert [tuple(q.shape) for q in queues] == [(2, 8, 32), (2, 8, 32)] and not torch.equal(queues[0], queues[1])
     resumed = tmp_path / "resumed"
@@ -408,8 +407,7 @@ def test_two_ranks_resume_each_ranks_queue(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
     def final(folder):
-        ck = torch.load(str(folder / "model_final_checkpoint_phase0.torch"), map_location="cpu",
-                        weights_only=True)["classy_state_dict"]
+        ck = classy_state(folder / "model_final_checkpoint_phase0.torch")
         return {"model": ck["base_model"], "ranks": [s["loss"] for s in ck["rank_states"]]}
 
     assert_bitwise_equal(final(straight), final(resumed))

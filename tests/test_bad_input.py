@@ -108,7 +108,7 @@ ROWS: List[Row] = [
     R("node-id-not-int", ("node_id=first",), ("node_id='first' is not an integer",)),
     # -- registry names -----------------------------------------------------------------------------
     R("unknown-trunk", ("config.MODEL.TRUNK.NAME=resnt",),
-      ("unknown trunk 'resnt'", "config.MODEL.TRUNK.NAME", "known: mlp, resnet")),
+      ("unknown trunk 'resnt'", "config.MODEL.TRUNK.NAME", "known: mlp, regnet, resnet")),
     R("unknown-loss", ("config.LOSS.name=cross_entropy",), ("unknown loss 'cross_entropy'", "config.LOSS.name", "known:"),
     tool=False),
     R("unknown-transform", ("config.DATA.TRAIN.TRANSFORMS=[{name:ToTensr}]",),

@@ -231,6 +231,17 @@ def test_model_with_swav_head_gives_its_outputs_and_vissl_param_names():
     assert [n for n, _ in found] == ["heads.0.prototypes0.weight"]
 
 
+def test_extracting_heads_of_a_swav_model_gives_the_embedding():
+    """VISSL's extraction saves a multi-output head's first output (the embedding) as 'heads'."""
+    cfg = compose([QUICK, "config.MODEL.TRUNK.RESNETS.DEPTH=18"])
+    model = build_model(cfg.MODEL).eval()
+    x = torch.randn(3, 3, 32, 32)
+    feats = model.extract_features(x)
+    assert list(feats) == ["heads"] and isinstance(feats["heads"], torch.Tensor)
+    assert tuple(feats["heads"].shape) == (3, 32)
+    assert torch.allclose(feats["heads"], model(x)[0], atol=1e-6)
+
+
 def test_swav_hook_normalizes_prototypes_at_start_and_after_updates():
     cfg = compose([QUICK])
     assert any(isinstance(h, SwAVHook) for h in default_hooks(cfg))

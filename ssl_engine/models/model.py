@@ -353,7 +353,9 @@ class SSLModel(nn.Module):
 
         Trunk layers after their pool op (flattened to [N, D] if SHOULD_FLATTEN_FEATS) when
         EXTRACT_TRUNK_FEATURES_ONLY or a LINEAR_EVAL_FEAT_POOL_OPS_MAP is set; otherwise
-        ``{"heads": <last head's output>}``, or ``{<trunk's last layer>: ...}`` with no heads.
+        ``{"heads": <last head's output>}``, or ``{<trunk's last layer>: ...}`` with no heads. A
+        head with several outputs (swav_head: embedding, prototype scores) gives its first, the
+        embedding, as VISSL's extraction does.
         """
         flatten = self._settings["SHOULD_FLATTEN_FEATS"]
         if self.feat_layer_names:
@@ -367,6 +369,8 @@ class SSLModel(nn.Module):
         out = self._trunk_forward(batch, None)[0]
         for head in self.heads:
             out = head(out)
+        if isinstance(out, (list, tuple)):
+            out = out[0]
         return {"heads": out}
 
     # ----------------------------------------------------------------- state

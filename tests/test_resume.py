@@ -1,6 +1,7 @@
 """Exact resume: kill a run at any instant, rerun the same command, get the same model bit for bit."""
 
 import json
+import math
 import os
 import random
 import re
@@ -445,6 +446,11 @@ def test_resume_with_another_global_batch_trains_on_the_rest_of_the_phase(setup,
     assert set(first) | set(rest) == set(range(n))
     assert len(set(first) & set(rest)) == done - start * batch  # seen twice: 0, or 8 with batches of 24
     assert (folder / "model_final_checkpoint_phase2.torch").exists()
+    # the lr schedule keeps its place by epochs: a step's lr is the cosine at (epochs done + part
+    # of this epoch) / EPOCHS in the batches of the run that took it, before and after the resume
+    for s in (s for s in steps if s["phase_type"] == "train"):
+        where = (s["train_phase_idx"] * s["phase_iterations"] + s["local_iteration"] - 1) / (s["phase_iterations"] * EPOCHS)
+        assert s["lr"] == pytest.approx(0.001 + 0.5 * (0.1 - 0.001) * (1 + math.cos(math.pi * where)), rel=1e-9), s
     out = r.stdout + r.stderr
     line = (f"the checkpoint stopped 4 batches of 8 (32 samples) into train phase 1; this run's global batch is "
             f"{batch}{' (2 ranks x 8)' if change == 'two_ranks' else ''}: it goes on from batch {start} of {phase_len}")

@@ -251,7 +251,7 @@ class PeriodicWriterHook(SSLHook):
         loss_now, avg = du.reduce_mean_scalars([loss_now, avg])
         data_time, = du.reduce_max_scalars([self._data_time])
         if du.is_primary():
-            remaining = max(0, task.max_iteration - task.iteration) if task.train else 0
+            remaining = max(0, task.max_iteration - task.progress_iteration) if task.train else 0
             stats = {
                 "phase_type": task.phase_type,
                 "phase_idx": task.phase_idx,

@@ -266,9 +266,24 @@ class SelfSupervisionTask(ClassyTask):
         return "train" if self.train else "test"
 
     @property
+    def progress_iteration(self) -> int:
+        """Train iterations done, counted in this run's batches: the train epochs done times
+        ``iters_per_epoch`` plus the position in the current train phase.
+
+        Equals ``iteration`` unless the run resumed with another global batch (more ranks,
+        another BATCHSIZE_PER_REPLICA), where ``iteration`` goes on counting the steps actually
+        run; the lr schedule and the ETA use this count so that they keep their place in the
+        run (epoch 3 of 10 stays 30% of training whatever the batch).
+        """
+        k = self.train_phase_idx
+        if k < 0:
+            return 0
+        return k * self.iters_per_epoch + self.local_iteration_num if self.train else (k + 1) * self.iters_per_epoch
+
+    @property
     def where(self) -> float:
-        """Fraction of training done, in [0, 1]."""
-        return min(1.0, self.iteration / max(1, self.max_iteration))
+        """Fraction of training done, in [0, 1] (see :attr:`progress_iteration`)."""
+        return min(1.0, self.progress_iteration / max(1, self.max_iteration))
 
     def done_training(self) -> bool:
         return self.phase_idx + 1 >= len(self.phases) and (self.phase_complete or self.phase_idx < 0)

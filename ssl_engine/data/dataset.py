@@ -291,7 +291,13 @@ class SSLDataset(Dataset):
         read with one ``get_batch`` per source and one array index per label source, without
         a dict per sample. ``None`` where this batch needs the per-sample path (an unreadable
         image, a key that is not a sampler key); that path then gives the same batch."""
-        if self._bad or not keys or not self.reads_batches():
+        if not self.reads_batches():
+            return None
+        return self._read_batch(keys)
+
+    def _read_batch(self, keys: Sequence[Any]) -> Optional[Dict[str, Any]]:
+        """:meth:`read_batch` once ``reads_batches()`` is known to hold (``collated_reads``)."""
+        if self._bad or not keys:
             return None
         try:
             ids = [int(k[1]) if isinstance(k, (tuple, list)) else int(k) for k in keys]
@@ -306,21 +312,26 @@ class SSLDataset(Dataset):
         except UnreadableImageError:
             return None  # the per-sample path applies ON_CORRUPT_IMAGE to it
         k, n = len(self.sources), len(keys)
-        padded = [is_padded(key) for key in keys]
-        valid = np.array([0 if p else 1 for p in padded], dtype=np.int64) if any(padded) else np.ones(n, dtype=np.int64)
-        if self.label_type == "standard":
-            labels = [arr[j] for arr in self.label_arrays]
-        else:
-            labels = [idx if self.label_type == "sample_index" else np.zeros(n, dtype=np.int64)] * k
+        n_labels = len(self.label_arrays) if self.label_type == "standard" else k
         # the int rows in one tensor (views of one storage, as default_collate makes them): one
         # shared-memory block per batch when it comes from a loader worker
-        rows = torch.from_numpy(np.stack(labels + [valid] * k + [idx] * k).astype(np.int64, copy=False)).unbind(0)
-        n_labels = len(labels)
+        rows = np.empty((n_labels + 2 * k, n), dtype=np.int64)
+        if self.label_type == "standard":
+            for r, arr in enumerate(self.label_arrays):
+                rows[r] = arr[j]
+        else:
+            rows[:n_labels] = idx if self.label_type == "sample_index" else 0
+        rows[n_labels:n_labels + k] = 1
+        padded = [i for i, key in enumerate(keys) if is_padded(key)]
+        if padded:
+            rows[n_labels:n_labels + k, padded] = 0
+        rows[n_labels + k:] = idx
+        out = torch.from_numpy(rows).unbind(0)
         return {
             "data": data,
-            "label": list(rows[:n_labels]),
-            "data_valid": list(rows[n_labels:n_labels + k]),
-            "data_idx": list(rows[n_labels + k:]),
+            "label": list(out[:n_labels]),
+            "data_valid": list(out[n_labels:n_labels + k]),
+            "data_idx": list(out[n_labels + k:]),
         }
 
     def _samples(self, keys: Sequence[Any]) -> List[Dict[str, Any]]:
@@ -331,7 +342,7 @@ class SSLDataset(Dataset):
         process, the caller's RNG states saved and restored once per batch, not once per sample.
         With ``collated_reads`` set, the collated batch itself where ``read_batch`` can make it."""
         if self.collated_reads:
-            batch = self.read_batch(keys)
+            batch = self._read_batch(keys)
             if batch is not None:
                 return CollatedBatch(batch)  # type: ignore[return-value]
         if not self._draws_randomness or get_worker_info() is not None:

@@ -264,6 +264,13 @@ class _Walker:
                     out[key] = value
                 elif path in _OPEN_PARENTS and isinstance(value, dict) and not _near_miss(str(key), default):
                     out[key] = value  # options of a user-registered trunk/loss/meter, checked by its owner
+                elif path and self.is_compat(path):
+                    # a yaml key inside a section not acted on (e.g. the options of a VISSL loss this
+                    # engine lacks) that VISSL's defaults lack too: VISSL's own files hold such keys
+                    # and VISSL takes them; kept and warned about like the section's other keys, so
+                    # that the error the user sees is the one that matters (the missing loss)
+                    out[key] = value
+                    self.compat_set.append(kpath)
                 else:
                     self.unknown.append(kpath)
                 continue
@@ -599,7 +606,8 @@ def check_registered_names(cfg: AttrDict) -> None:
     if unknown:
         parts = ", ".join(f"{r.kind} {n!r} ({k})" for r, k, n in unknown)
         kinds = {r.kind: r for r, _, _ in unknown}
-        known = "; ".join(f"known {kind}s: {', '.join(r.names()) or '(none)'}" for kind, r in kinds.items())
+        known = "; ".join(f"known {kind}{'es' if kind.endswith('s') else 's'}: {', '.join(r.names()) or '(none)'}"
+                          for kind, r in kinds.items())
         raise ConfigError(
             f"this config names {len(unknown)} parts that are not registered: {parts}; {known} "
             f"(your own parts are registered by the modules in config.USER_MODULES)"
@@ -614,11 +622,16 @@ def _check_registered_names(cfg: AttrDict, _lookup: Callable[[Any, str, Any], No
     _lookup(R.TRAIN_STEPS, "config.TRAINER.TRAIN_STEP_NAME", cfg.TRAINER.TRAIN_STEP_NAME)
     _lookup(R.TRUNKS, "config.MODEL.TRUNK.NAME", cfg.MODEL.TRUNK.NAME)
     for i, entry in enumerate(cfg.MODEL.HEAD.PARAMS):
-        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], dict):
-            raise ConfigError(
-                f"config.MODEL.HEAD.PARAMS[{i}]={show_value(entry)} is not of the form [head_name, {{params}}]"
-            )
-        _lookup(R.HEADS, f"config.MODEL.HEAD.PARAMS[{i}][0]", entry[0])
+        # an entry is one head [name, {params}], or a list of them run one after the other
+        stages = entry if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (list, tuple)) else [entry]
+        for j, stage in enumerate(stages):
+            where = f"config.MODEL.HEAD.PARAMS[{i}]" + (f"[{j}]" if stages is entry else "")
+            if not isinstance(stage, (list, tuple)) or len(stage) != 2 or not isinstance(stage[1], dict):
+                raise ConfigError(
+                    f"{where}={show_value(stage)} is not of the form [head_name, {{params}}] (or a list of "
+                    f"those, run one after the other)"
+                )
+            _lookup(R.HEADS, f"{where}[0]", stage[0])
     _lookup(R.LOSSES, "config.LOSS.name", cfg.LOSS.name)
     _lookup(R.OPTIMIZERS, "config.OPTIMIZER.name", cfg.OPTIMIZER.name)
     for i, m in enumerate(cfg.METERS.names):

@@ -221,6 +221,23 @@ def test_an_experiment_file_that_only_picks_the_engine_composes(tmp_path):
     assert cfg.engine_name == "extract_features" and cfg.DATA.TEST.DATA_SOURCES == ["synthetic"]
 
 
+def test_vissl_older_top_level_extract_switch_picks_the_engine(tmp_path, caplog):
+    """VISSL's extract_resnet_8gpu.yaml carries a top-level 'extract_features: True': it composes
+    unchanged and runs extraction, unless engine_name is given on the command line."""
+    path = tmp_path / "extract_resnet_8gpu.yaml"
+    path.write_text("# @package _global_\nextract_features: True\nconfig:\n  LOG_FREQUENCY: 3\n")
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.config.compose"):
+        cfg = compose([f"config={path}"])
+    assert cfg.engine_name == "extract_features" and cfg.LOG_FREQUENCY == 3
+    assert "extract_features" not in cfg and "read as engine_name=extract_features" in caplog.text
+    assert compose([f"config={path}", "engine_name=train"]).engine_name == "train"
+    path.write_text("# @package _global_\nextract_features: False\nconfig:\n  LOG_FREQUENCY: 3\n")
+    assert compose([f"config={path}"]).engine_name == "train"
+    path.write_text("# @package _global_\nextract_features: maybe\nconfig:\n  LOG_FREQUENCY: 3\n")
+    with pytest.raises(ConfigError, match="extract_features='maybe'.*must be true or false"):
+        compose([f"config={path}"])
+
+
 def test_the_tool_names_an_empty_experiment_file(tmp_path):
     from conftest import run_tool
 

@@ -230,7 +230,10 @@ def read_yaml_file(path: Path) -> Any:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
 
 
-_TOP_LEVEL = ("engine_name", "config", "defaults", "hydra")
+_TOP_LEVEL = ("engine_name", "config", "defaults", "hydra", "extract_features")
+
+#: VISSL's older engine switch: a top-level ``extract_features: True`` in its extraction files
+LEGACY_EXTRACT_KEY = "extract_features"
 
 
 def _check_yaml_file(path: Path, experiment: bool = False) -> None:
@@ -513,9 +516,30 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             user_file = experiment.strip() if option == _USER_FILE else None
         root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs(), user_file)
     root.pop("hydra", None)
+    _read_legacy_extract_switch(root, engine_on_command_line="engine_name" in command_line)
     if not isinstance(root.get("config"), dict):
         raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
     return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=command_line)
+
+
+def _read_legacy_extract_switch(root: Dict[str, Any], engine_on_command_line: bool) -> None:
+    """Read (and remove) a top-level ``extract_features: True``, as some of VISSL's extraction
+    files still carry it: the engine becomes ``extract_features`` unless ``engine_name`` names
+    another one on the command line or in a file. One warning says which way it was read."""
+    if LEGACY_EXTRACT_KEY not in root:
+        return
+    value = root.pop(LEGACY_EXTRACT_KEY)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{LEGACY_EXTRACT_KEY}={value!r} (a top-level key of VISSL's older extraction files) "
+                          f"must be true or false; the engine is chosen with engine_name=extract_features")
+    engine = root.get("engine_name", "train")
+    if not value or engine == "extract_features":
+        return
+    if engine == "train" and not engine_on_command_line:
+        root["engine_name"] = "extract_features"
+        log.warning("top-level extract_features: true (VISSL's older layout) is read as engine_name=extract_features")
+    else:
+        log.warning("top-level extract_features: true is not acted on: engine_name=%s is given", engine)
 
 
 def to_yaml(cfg: AttrDict) -> str:

@@ -1,6 +1,7 @@
 """Engine core, end to end through the real tool and in-process: phases, train step, registry."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -316,9 +317,11 @@ def test_gradient_clipping_bounds_the_update(tmp_path):
     assert delta.norm().item() <= 0.1 * 0.001 * 1.0001  # lr x max_norm
 
 
-def test_amp_bfloat16_on_cpu_trains(tmp_path):
-    task = tiny_task(tmp_path, "config.MODEL.AMP_PARAMS.USE_AMP=true")
+def test_amp_bfloat16_on_cpu_trains(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="ssl_engine.tasks.self_supervision_task"):
+        task = tiny_task(tmp_path, "config.MODEL.AMP_PARAMS.USE_AMP=true")
     assert task.amp_dtype == torch.bfloat16 and task.grad_scaler is None
+    assert "torch.autocast to bfloat16 on cpu" in caplog.text  # the numerics change is announced
     task.advance_phase()
     task.train_step_fn(task)
     assert task.last_model_output[0].dtype == torch.bfloat16

@@ -235,6 +235,9 @@ class SelfSupervisionTask(ClassyTask):
         self.amp_dtype = getattr(torch, name)
         if self.device.type == "cuda" and self.amp_dtype == torch.float16:
             self.grad_scaler = torch.amp.GradScaler("cuda")
+        if du.is_primary():  # the numerics change: say so once, with the dtype it chose
+            log.info("mixed precision (MODEL.AMP_PARAMS.USE_AMP): forward and loss under torch.autocast to %s on %s%s",
+                     name, self.device.type, ", gradients scaled by a GradScaler" if self.grad_scaler else "")
 
     def autocast(self) -> Any:
         """The autocast context of this run (a null context without AMP)."""

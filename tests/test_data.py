@@ -129,6 +129,17 @@ def test_synthetic_classes_are_learnable() -> None:
     assert (pred == yt).mean() > 0.6
 
 
+def test_a_data_limit_beyond_the_data_uses_it_all_and_says_so(caplog: Any) -> None:
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.dataset"):
+        ds = build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=5000), "TRAIN")
+    assert len(ds) == round(0.8 * 1797)
+    assert f"config.DATA.TRAIN.DATA_LIMIT=5000 is more than the {len(ds)} samples of the TRAIN data: using all" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.dataset"):
+        build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=100), "TRAIN")
+    assert "DATA_LIMIT" not in caplog.text
+
+
 def test_digits_split_labels_and_images() -> None:
     tr = build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=-1), "TRAIN")
     te = build_dataset(make_cfg("TEST", DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=-1), "TEST")

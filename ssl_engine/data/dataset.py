@@ -377,6 +377,12 @@ def _data_limit_subset(
     skip = int(sampling.get("SKIP_NUM_SAMPLES", 0))
     balanced = bool(sampling.get("IS_BALANCED", False))
     if limit >= n and skip == 0:
+        if limit > n:
+            from ssl_engine import distributed as du
+
+            if du.is_primary():  # VISSL would fail drawing more samples than there are: say what is used
+                logger.warning("%s=%d is more than the %d samples of the %s data: using all %d",
+                               data_key(split, "DATA_LIMIT"), limit, n, split, n)
         return None
     if skip < 0 or skip + limit > n:
         raise UserError(

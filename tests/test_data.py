@@ -317,6 +317,14 @@ def test_filelist_fractional_or_non_finite_labels_are_a_user_error(tmp_path: Any
         build_dataset(_filelist_cfg(tmp_path, np.array(labels)), "TRAIN")
 
 
+def test_filelist_uint64_labels_read_as_classes_and_one_beyond_int64_is_named(tmp_path: Any) -> None:
+    ok = build_dataset(_filelist_cfg(tmp_path, np.array([0, 3, 1, 2], dtype=np.uint64)), "TRAIN")
+    assert ok.get_labels().dtype == np.int64 and ok.get_labels().tolist() == [0, 3, 1, 2]
+    huge = np.array([0, 1, 2**63 + 1, 2], dtype=np.uint64)  # a cast would make it class -2**63 + 1
+    with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*labels\.npy' holds the label 9223372036854775809 at index 2"):
+        build_dataset(_filelist_cfg(tmp_path, huge), "TRAIN")
+
+
 def test_filelist_text_label_that_is_not_a_number_is_a_user_error(tmp_path: Any) -> None:
     txt = tmp_path / "labels.txt"
     txt.write_text("1\n2\ncat\n0\n")

@@ -509,6 +509,9 @@ def integer_labels(arr: np.ndarray, key: str, path: str) -> np.ndarray:
     huge negative class. Text labels (.txt) may be written either way.
     """
     kind = arr.dtype.kind
+    if kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr))  # a cast would wrap it to a negative class
+        raise UserError(f"{key}: {path!r} holds the label {int(arr[i])} at index {i}; {_VALID_LABELS}")
     if kind in "iub":
         return arr.astype(np.int64)
     if kind in "US":

@@ -644,3 +644,33 @@ def test_grad_scaler_steps_ssl_optimizer_like_a_plain_step():
     scaler.update()
     for a, b in zip(net_a.parameters(), net_b.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("lr, at", [
+    ({"name": "constant", "value": -0.1}, "-0.1 at 0%"),
+    ({"name": "multistep", "values": [0.1, -0.01], "milestones": [5]}, "-0.01 at 50%"),
+    ({"name": "linear", "start_value": 0.1, "end_value": -0.1}, "at 50.1%"),
+])
+def test_a_schedule_that_goes_below_zero_is_a_user_error(lr, at):
+    from ssl_engine.optim import build_lr_scheduler
+
+    with pytest.raises(UserError, match=rf"config\.OPTIMIZER\.param_schedulers\.lr gives the learning rate .*{at} "
+                                        r"of training; a learning rate must be >= 0"):
+        build_lr_scheduler(lr, 10, 256)
+
+
+def test_a_schedule_option_the_schedule_does_not_read_is_named(caplog):
+    """lr.value=0.5 next to name: cosine trains with the cosine's values: say so, once."""
+    import logging
+
+    from ssl_engine.optim import build_lr_scheduler
+
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.optim.schedulers"):
+        build_lr_scheduler({"name": "cosine", "start_value": 0.1, "end_value": 0.0, "value": 0.5}, 10, 256)
+    assert ("config.OPTIMIZER.param_schedulers.lr: value is not read by the 'cosine' schedule "
+            "(it reads start_value, end_value)") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.optim.schedulers"):  # defaults left as they are
+        build_lr_scheduler({"name": "cosine", "start_value": 0.1, "end_value": 0.0, "value": 0.1,
+                            "values": [0.1, 0.01, 0.001], "milestones": [30, 60]}, 10, 256)
+    assert "not read" not in caplog.text

@@ -369,4 +369,50 @@ def build_lr_scheduler(
     if interval not in UPDATE_INTERVALS:
         raise UserError(f"{key}.update_interval={interval!r} is not valid; use one of {', '.join(UPDATE_INTERVALS)}")
     scaled = scale_lr_schedule(lr_cfg, global_batch_size, num_nodes, key)
-    return build_param_scheduler(scaled, num_epochs, key), interval
+    scheduler = build_param_scheduler(scaled, num_epochs, key)
+    _warn_unread_keys(lr_cfg, key)
+    _check_no_negative_lr(scheduler, key)
+    return scheduler, interval
+
+
+#: the keys each built-in schedule reads, beside name, update_interval and auto_lr_scaling
+_READS: Dict[str, Tuple[str, ...]] = {
+    "constant": ("value",),
+    "step": ("values",),
+    "multistep": ("values", "milestones"),
+    "linear": ("start_value", "end_value"),
+    "cosine": ("start_value", "end_value"),
+    "cosine_warm_restart": ("start_value", "end_value", "restart_interval_length", "wave_type", "lr_multiplier",
+                            "is_adaptive"),
+    "composite": ("schedulers", "interval_scaling", "lengths"),
+}
+
+
+def _warn_unread_keys(lr_cfg: Mapping[str, Any], key: str) -> None:
+    """One warning naming the schedule options set away from their defaults that the chosen
+    schedule does not read (``value: 0.5`` next to ``name: cosine``): VISSL ignores them as
+    well, so a run would silently train with another lr than the one written."""
+    reads = _READS.get(str(lr_cfg.get("name")))
+    if reads is None:
+        return
+    from ssl_engine import distributed as du
+    from ssl_engine.config.compose import load_defaults
+
+    defaults = load_defaults()["config"]["OPTIMIZER"]["param_schedulers"]["lr"]
+    options = {k for schedule_keys in _READS.values() for k in schedule_keys}
+    unread = sorted(k for k in options - set(reads) if k in lr_cfg and k in defaults and lr_cfg[k] != defaults[k])
+    if unread and du.is_primary():
+        logger.warning("%s: %s %s not read by the %r schedule (it reads %s)", key, ", ".join(unread),
+                       "is" if len(unread) == 1 else "are", lr_cfg.get("name"), ", ".join(reads))
+
+
+def _check_no_negative_lr(scheduler: ParamScheduler, key: str, points: int = 1000) -> None:
+    """A UserError when the schedule gives a negative lr anywhere (read at ``points`` places
+    over training): SGD would then climb the loss, and torch's own check of the optimizer's
+    lr never sees the scheduled values."""
+    for i in range(points):
+        where = i / points
+        value = float(scheduler(where))
+        if value < 0:
+            raise UserError(f"{key} gives the learning rate {value:g} at {100 * where:g}% of training; "
+                            f"a learning rate must be >= 0")

@@ -87,6 +87,9 @@ ROWS: List[Row] = [
     R("log-frequency-zero", ("config.LOG_FREQUENCY=0",), ("config.LOG_FREQUENCY=0", "expected an integer > 0")),
     R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
     R("empty-checkpoint-dir", ("config.CHECKPOINT.DIR=",), ("config.CHECKPOINT.DIR=''", "folder path")),
+    # writable by its access bits, yet no folder can be made there (as an automount that does not mount)
+    R("checkpoint-dir-cannot-be-made", ("config.CHECKPOINT.DIR=/proc/ssl_engine_nope/run",),
+      ("config.CHECKPOINT.DIR=/proc/ssl_engine_nope/run cannot be created: No such file or directory (in /proc)",)),
     # -- yaml files and config= --------------------------------------------------------------------
     R("malformed-yaml", ("config={fx}/malformed.yaml",), ("malformed yaml in {fx}/malformed.yaml:5",)),
     R("yaml-python-tag", ("config={fx}/python_tag.yaml",),

@@ -701,6 +701,15 @@ def check_output_folder(path: Any, key: str) -> None:
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == folder else f"cannot be created: {probe} is not writable"
         raise ConfigError(f"{key}={path} {what} by this user")
+    if probe.exists() and probe != folder:
+        # the access bits are not the whole story (/proc, an automount that does not mount, a
+        # read-only mount): make and remove one folder where the run will make its own
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".ssl_engine_probe_", dir=str(probe)))
+        except OSError as e:
+            raise ConfigError(f"{key}={path} cannot be created: {e.strerror or e} (in {probe})") from None
 
 
 def is_resuming(cfg: AttrDict) -> bool:

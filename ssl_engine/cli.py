@@ -230,6 +230,9 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         # pool's lock released twice): the run was interrupted, not broken
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    finally:
+        if tool_process:  # the command has ended: its exit code must survive the process's shutdown
+            preemption.ignore_from_now()
 
 
 def _raised_while_interrupted(error: BaseException) -> bool:

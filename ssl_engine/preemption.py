@@ -41,6 +41,20 @@ def install() -> None:
         signal.signal(sig, _handler)
 
 
+def ignore_from_now() -> None:
+    """Ignore the preemption signals for the rest of the process (main thread only).
+
+    For a tool process whose run has ended, its files complete: Python's shutdown puts the
+    default handlers back before it is done, and a scheduler's SIGTERM in that last second
+    would turn a finished run's exit code into "killed". An ignored signal stays ignored
+    through the shutdown.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def requested() -> bool:
     return _requested.is_set()
 

@@ -230,6 +230,30 @@ def test_a_preemption_signal_during_startup_checkpoints_at_the_first_step(setup,
         assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_preemption_signal_after_the_last_line_leaves_exit_0(setup, tmp_path, signum):
+    """A scheduler's SIGTERM as a finished run shuts down (its files complete) must not make its
+    exit code 'killed': Python's shutdown puts the default handlers back, so the tool ignores
+    the preemption signals once the command has ended."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(TOOL), f"config={cfg}", f"config.CHECKPOINT.DIR={folder}",
+                             "config.TEST_MODEL=false", "config.OPTIMIZER.num_epochs=1"],
+                            cwd=REPO, env=tool_env({"SSL_TEST_KILL": ""}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "total training time" in line:
+            time.sleep(0.1)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signum)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, "".join(lines)[-2000:] + rest[-2000:]
+    assert (folder / "model_final_checkpoint_phase0.torch").exists()
+
+
 def test_resume_does_not_replay_data(setup, tmp_path):
     root, cfg = setup
     folder, reads = tmp_path / "run", tmp_path / "reads.txt"

@@ -603,6 +603,26 @@ def _unreadable_because(path: Path, error: Exception) -> str:
     return f"is not a file written by torch.save (it starts with {head!r}, {size} bytes)"
 
 
+def damaged_record(path: Path) -> Optional[str]:
+    """Why ``path`` (torch's zip format) is damaged although it loads, or None.
+
+    torch.load does not check the CRC-32 that the zip format stores for each record, so bytes
+    changed on a disk or in a copy load as other weights without a word. A resume reads its
+    checkpoint through this once (one pass over the file) and goes back to the previous
+    checkpoint instead. Files in torch's older pickle format carry no checksums: None.
+    """
+    import zipfile
+
+    try:
+        if not zipfile.is_zipfile(path):
+            return None
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, RuntimeError, ValueError) as e:
+        return f"is corrupt: its zip archive cannot be checked ({e})"
+    return None if bad is None else f"is corrupt: the stored checksum of its record {bad} does not match its bytes"
+
+
 def is_engine_checkpoint(data: Dict[str, Any]) -> bool:
     state = data.get("classy_state_dict")
     return isinstance(state, dict) and "phase_idx" in data and isinstance(state.get("base_model"), dict)
@@ -628,8 +648,12 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
             continue
         try:
             data = load_checkpoint(p)
+            damaged = damaged_record(p)
         except CheckpointError as e:
             log.warning("skipping checkpoint %s: %s", p.name, e)
+            continue
+        if damaged:
+            log.warning("skipping checkpoint %s: %s", p.name, damaged)
             continue
         if not is_engine_checkpoint(data):
             log.warning("skipping %s: not an ssl_engine checkpoint", p.name)

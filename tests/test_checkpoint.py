@@ -47,6 +47,26 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert ck.load_checkpoint(tmp_path / "checkpoint.torch")["iteration"] == 2
 
 
+def test_a_checkpoint_whose_bytes_changed_is_skipped_on_resume(tmp_path, caplog):
+    """Same size, zip directory intact, tensor bytes changed (a damaged disk or copy): it loads,
+    but the zip's CRC-32 of the record no longer matches; the resume takes the previous one."""
+    for i in (2, 4):
+        state = engine_ckpt(i)
+        state["classy_state_dict"]["base_model"]["w"] = torch.full((1000,), float(i))
+        ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(i), state)
+    newest = tmp_path / "model_iteration4.torch"
+    raw = bytearray(newest.read_bytes())
+    at = raw.find(torch.full((100,), 4.0).numpy().tobytes())
+    assert at > 0
+    raw[at:at + 4] = torch.tensor([5.0]).numpy().tobytes()
+    newest.write_bytes(bytes(raw))
+    assert ck.load_checkpoint(newest)["classy_state_dict"]["base_model"]["w"][0] == 5.0  # torch.load does not notice
+    path, data = ck.newest_good_checkpoint(tmp_path)
+    assert path.name == "model_iteration2.torch" and data["iteration"] == 2
+    assert "skipping checkpoint model_iteration4.torch: is corrupt: the stored checksum of its record" in caplog.text
+    assert ck.damaged_record(tmp_path / "model_iteration2.torch") is None
+
+
 def test_truncated_and_foreign_files_are_skipped(tmp_path, caplog):
     ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(2), engine_ckpt(2))
     ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(4), engine_ckpt(4))

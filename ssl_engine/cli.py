@@ -195,6 +195,9 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
     ``tool_process``: this process is the command's own, started to run it and end (the tools'
     ``__main__``), not a caller that goes on afterwards: composing may then overlap importing
     torch, and a config mistake may end the process directly (see prepare_config)."""
+    from ssl_engine import startup_gc
+
+    collector_was_on = startup_gc.pause() if tool_process else None  # until the imports are done
     from ssl_engine import preemption
 
     preemption.install()  # a preemption signal during startup is kept for the first step, not fatal
@@ -205,6 +208,9 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         overrides, node_id, flag = _split_args(argv)
         debug = debug or flag
         cfg = prepare_config(overrides, tool_process=tool_process and not debug)
+        if collector_was_on is not None:
+            startup_gc.resume(collector_was_on)
+            collector_was_on = None
         return body(cfg, node_id)
     except UserError as e:
         if debug:
@@ -231,6 +237,8 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     finally:
+        if collector_was_on is not None:  # an error before the imports were done
+            startup_gc.resume(collector_was_on)
         if tool_process:  # the command has ended: its exit code must survive the process's shutdown
             preemption.ignore_from_now()
 

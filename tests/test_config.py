@@ -539,6 +539,54 @@ def test_forked_compose_logs_each_compose_warning_once():
         warning, "config True", warning, "user error", warning, "retry True"], proc.stdout
 
 
+def test_the_tool_pauses_the_garbage_collector_while_it_imports():
+    """The tool's process runs no collection while it imports torch and the built-in parts, then
+    freezes what it imported and switches the collector back on before the run; a library call
+    leaves the collector as it was; an error before the imports are done still switches it back."""
+    proc = _run_without_torch("""
+        import gc, sys
+        from ssl_engine.cli import run_command
+        from ssl_engine.errors import UserError
+        starts = []
+        gc.callbacks.append(lambda phase, info: starts.append(info['generation']) if phase == 'start' else None)
+        seen = {}
+        def body(cfg, node_id):
+            seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count(), torch='torch' in sys.modules,
+                        collections=len(starts))
+            return 0
+        assert run_command(['config=quick/simclr_synthetic'], body, tool_process=True) == 0
+        assert seen['torch'] and seen['enabled'], seen
+        assert seen['collections'] == 0, f"{seen['collections']} collections while importing"
+        assert seen['frozen'] > 100000, f"only {seen['frozen']} objects frozen"
+        gc.collect()
+        assert len(starts) == 1 and gc.get_freeze_count() == seen['frozen'], 'the frozen objects stay frozen'
+        # an error raised before the imports are done (an unknown loss, found after the imports)
+        gc.unfreeze()
+        bad = ['config=quick/simclr_synthetic', 'config.LOSS.name=no_such_loss']
+        assert run_command(bad, body, tool_process=True) == 2
+        assert gc.isenabled() and gc.get_freeze_count() > 100000
+        print('ok')
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    proc = _run_without_torch("""
+        import gc, sys
+        from ssl_engine.cli import run_command
+        starts = []
+        gc.callbacks.append(lambda phase, info: starts.append(info['generation']) if phase == 'start' else None)
+        seen = {}
+        def body(cfg, node_id):
+            seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count(), collections=len(starts))
+            return 0
+        assert run_command(['config=quick/simclr_synthetic'], body) == 0
+        assert seen['enabled'] and seen['frozen'] == 0 and seen['collections'] > 0, seen
+        gc.disable()
+        assert run_command(['config=quick/simclr_synthetic'], body, tool_process=True) == 0
+        assert not seen['enabled'] and not gc.isenabled(), 'a collector that was off stays off'
+        print('ok')
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 def test_the_tool_reports_a_config_mistake_without_waiting_for_torch(tmp_path):
     """Through the tool (composing in a child while the process imports torch), a config
     mistake is one line and exit code 2, and the process ends from the watcher thread as soon

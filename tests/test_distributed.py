@@ -204,7 +204,7 @@ def test_node_id_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
 # ----------------------------------------------------------------------------- equal results
 
 PROBE = '''
-import json, logging, os
+import gc, json, logging, os
 import torch
 import torch.distributed as dist
 from ssl_engine.hooks.base import SSLHook
@@ -241,6 +241,7 @@ class RankProbe(SSLHook):
             "broadcast_buffers": bool(getattr(task.model, "broadcast_buffers", None)),
             "bn_before_forward": self.bn_before_forward,
             "params": float(sum(p.double().sum() for p in m.parameters())),
+            "gc": [gc.isenabled(), gc.get_freeze_count()],
         }
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, seen)
@@ -277,6 +278,8 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[st
     assert [s["rank"] for s in seen] == [0, 1] and [s["env_rank"] for s in seen] == ["0", "1"]
     assert [s["seed"] for s in seen] == [0, 1]  # SEED_VALUE (0) + rank
     assert seen[0]["params"] == seen[1]["params"]  # DDP kept the replicas identical
+    # forked from the tool's process after its imports: the collector on, the imports frozen
+    assert all(s["gc"][0] and s["gc"][1] > 50000 for s in seen), [s["gc"] for s in seen]
     assert not [p.name for p in folder.iterdir() if ".tmp." in p.name]
 
 
@@ -726,8 +729,11 @@ def test_forkserver_ranks_and_workers_equal_one_rank(tmp_path: Path, one_rank_me
     ok(run_tool(SUPERVISED + per_rank(2) + [
         f"config.CHECKPOINT.DIR={folder}", "config.MULTI_PROCESSING_METHOD=forkserver",
         "config.DATA.NUM_DATALOADER_WORKERS=1",
-    ]))
+    ] + probe_args(tmp_path)))
     assert_same_metrics(read_metrics(folder), one_rank_metrics)
+    # a rank from the forkserver paused its own collector while importing the engine, then froze
+    seen = json.loads((tmp_path / "probe.json").read_text())
+    assert all(s["gc"][0] and s["gc"][1] > 50000 for s in seen), [s["gc"] for s in seen]
 
 
 def long_temp_dir(tmp_path: Path) -> Path:

@@ -452,6 +452,25 @@ def test_extraction_checks_and_builds_only_the_splits_it_is_asked_for(tmp_path: 
     assert extraction_status(tmp_path, asked)["samples"] == 8
 
 
+def test_a_model_without_heads_writes_its_output_as_heads(tmp_path: Path) -> None:
+    # VISSL names the model's output "heads" whatever it holds: scripts that read "heads" must find
+    # the trunk's features of a model without heads; EXTRACT_TRUNK_FEATURES_ONLY names the layer
+    base = ["config=quick/simclr_synthetic", "engine_name=extract_features", "config.MODEL.HEAD.PARAMS=[]",
+            "config.EXTRACT_FEATURES.SPLITS=[TRAIN]", "config.DATA.TRAIN.DATA_LIMIT=6",
+            "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DATA.TRAIN.COLLATE_FUNCTION=default_collate",
+            "config.DATA.TRAIN.TRANSFORMS=[{name: ToTensor}]"]
+    tool([*base, f"config.CHECKPOINT.DIR={tmp_path / 'out'}"])
+    assert available(tmp_path / "out") == [("train", "heads")]
+    feats = load_features(tmp_path / "out", "train", "heads")
+    assert feats["features"].shape[0] == 6 and feats["features"].ndim == 2
+    tool([*base, f"config.CHECKPOINT.DIR={tmp_path / 'trunk'}",
+          "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=true",
+          "config.MODEL.FEATURE_EVAL_SETTINGS.EXTRACT_TRUNK_FEATURES_ONLY=true"])
+    [(split, layer)] = available(tmp_path / "trunk")
+    assert split == "train" and layer != "heads"
+    np.testing.assert_array_equal(load_features(tmp_path / "trunk", "train", layer)["features"], feats["features"])
+
+
 def test_linear_eval_trains_heads_on_a_frozen_pretrained_trunk(pretrained: Path, tmp_path: Path) -> None:
     params_file = pretrained / "checkpoint.torch"
     tool(["config=benchmark/linear_eval_digits_resnet", f"config.CHECKPOINT.DIR={tmp_path}",

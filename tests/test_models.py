@@ -328,7 +328,10 @@ def test_extract_features_modes(resnet18: SSLModel) -> None:
         model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 4]}]], eval_settings={"EXTRACT_TRUNK_FEATURES_ONLY": True})
     ).eval()
     assert {k: tuple(v.shape) for k, v in trunk_only.extract_features(small).items()} == {"fc2": (2, 16)}
-    assert {k: tuple(v.shape) for k, v in resnet18.eval().extract_features(x).items()} == {"flatten": (2, 512)}
+    # no heads: the trunk's output under VISSL's name for the model's output (tools that read "heads" find it)
+    assert {k: tuple(v.shape) for k, v in resnet18.eval().extract_features(x).items()} == {"heads": (2, 512)}
+    no_heads_trunk_only = build(model_config(eval_settings={"EXTRACT_TRUNK_FEATURES_ONLY": True})).eval()
+    assert {k: tuple(v.shape) for k, v in no_heads_trunk_only.extract_features(x).items()} == {"flatten": (2, 512)}
 
 
 def test_state_roundtrip_and_sync_bn_noop(resnet18: SSLModel) -> None:

@@ -353,7 +353,9 @@ class SSLModel(nn.Module):
 
         Trunk layers after their pool op (flattened to [N, D] if SHOULD_FLATTEN_FEATS) when
         EXTRACT_TRUNK_FEATURES_ONLY or a LINEAR_EVAL_FEAT_POOL_OPS_MAP is set; otherwise
-        ``{"heads": <last head's output>}``, or ``{<trunk's last layer>: ...}`` with no heads. A
+        ``{"heads": <last head's output>}``. With EXTRACT_TRUNK_FEATURES_ONLY and no map it is
+        ``{<trunk's last layer>: ...}``; a model without heads gives its trunk's last layer as
+        ``heads``, the name VISSL's extraction gives the model's output whatever it holds. A
         head with several outputs (swav_head: embedding, prototype scores) gives its first, the
         embedding, as VISSL's extraction does.
         """
@@ -365,7 +367,7 @@ class SSLModel(nn.Module):
             feat = self._trunk_forward(batch, None)[0]
             if flatten:
                 feat = feat.reshape(feat.shape[0], -1)
-            return {self._default_layer(): feat}
+            return {self._default_layer() if self._settings["EXTRACT_TRUNK_FEATURES_ONLY"] else "heads": feat}
         out = self._trunk_forward(batch, None)[0]
         for head in self.heads:
             out = head(out)

@@ -17,7 +17,8 @@ the rest.
 
 Each split also has a status file, ``<folder>/extraction_{split}.json``: ``{"status": "running"}``
 from the moment its extraction starts, ``{"status": "complete", "samples": N, ...}`` once every
-rank's shards are on disk. Readers refuse a split whose extraction did not finish and check the
+rank's shards are on disk, ``{"status": "failed", "error": ...}`` when rank 0 stopped on an
+error (a kill leaves "running"). Readers refuse a split whose extraction did not finish and check the
 sample count of a complete one; shards without a status file (written by VISSL) are read as
 they are.
 """
@@ -62,7 +63,7 @@ def status_path(folder: Path, split: str) -> Path:
 
 
 def write_extraction_status(folder: Path, split: str, status: str, **details: object) -> None:
-    """Record (atomically) that the extraction of ``split`` is ``running`` or ``complete``."""
+    """Record (atomically) that the extraction of ``split`` is ``running``, ``complete`` or ``failed``."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     atomic_write_text(status_path(folder, split), json.dumps({"status": status, "split": split.lower(), **details}) + "\n")
 
@@ -83,6 +84,11 @@ def extraction_status(folder: Path, split: str) -> Optional[Dict[str, object]]:
 
 def _check_finished(folder: Path, split: str) -> Optional[Dict[str, object]]:
     status = extraction_status(folder, split)
+    if status is not None and status.get("status") == "failed":
+        raise FeatureShardError(
+            f"the {split.lower()} extraction in {folder} failed ({status.get('error', 'no reason recorded')}); "
+            f"fix that and run the extract_features engine again"
+        )
     if status is not None and status.get("status") != "complete":
         raise FeatureShardError(
             f"the {split.lower()} extraction in {folder} did not finish (it stopped while running, see "

@@ -471,6 +471,34 @@ def test_a_model_without_heads_writes_its_output_as_heads(tmp_path: Path) -> Non
     np.testing.assert_array_equal(load_features(tmp_path / "trunk", "train", layer)["features"], feats["features"])
 
 
+def test_a_pool_op_larger_than_its_layer_is_one_line_and_the_split_is_marked_failed(tmp_path: Path) -> None:
+    # VISSL's maps are sized for 224x224 crops: AvgPool2d 6x6 on res4 of a 32x32 image (2x2) cannot run
+    big_pool = "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP=[[res4,[AvgPool2d,[[6,6],1,0]]]]"
+    common = ["config=quick/simclr_synthetic", "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=true",
+              "config.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_ONLY=true", big_pool,
+              "config.DATA.TRAIN.COLLATE_FUNCTION=default_collate", "config.DATA.TRAIN.TRANSFORMS=[{name: ToTensor}]",
+              "config.DATA.TRAIN.DATA_LIMIT=8", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4"]
+    must = ("config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP[0]", "AvgPool2d", "'res4' of [256, 2, 2]",
+            "input images 32x32")
+    out = tmp_path / "extract"
+    proc = tool([*common, "engine_name=extract_features", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
+                 "config.MODEL.FEATURE_EVAL_SETTINGS.EXTRACT_TRUNK_FEATURES_ONLY=true", f"config.CHECKPOINT.DIR={out}"],
+                ok=False)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert all(text in err for text in must), err
+    status = extraction_status(out, "TRAIN")
+    assert status["status"] == "failed" and "AvgPool2d" in status["error"], status
+    with pytest.raises(FeatureShardError, match="failed .*AvgPool2d"):
+        load_features(out, "train", "res4")
+    # the same map in a linear evaluation: the first step ends the run the same way
+    proc = tool([*common, f"config.CHECKPOINT.DIR={tmp_path / 'train'}", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[256,10]}]]",
+                 "config.LOSS.name=cross_entropy_multiple_output_single_target"], ok=False)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert all(text in err for text in must), err
+
+
 def test_linear_eval_trains_heads_on_a_frozen_pretrained_trunk(pretrained: Path, tmp_path: Path) -> None:
     params_file = pretrained / "checkpoint.torch"
     tool(["config=benchmark/linear_eval_digits_resnet", f"config.CHECKPOINT.DIR={tmp_path}",

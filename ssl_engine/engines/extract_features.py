@@ -181,6 +181,11 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     batches = iter(loader)
     try:
         stopped = _write_features(task, split, batches, writer)
+    except Exception as e:
+        if du.is_primary():  # readers then say why the split is missing, not that it is still running
+            reason = (str(e).strip().splitlines() or [""])[0][:300]
+            write_extraction_status(folder, split, "failed", error=f"{type(e).__name__}: {reason}")
+        raise
     finally:
         stop_workers(batches)  # now, also on an error (see stop_workers)
     # every rank's shards are on disk past this point

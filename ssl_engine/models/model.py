@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
-from ssl_engine.models.pooling import parse_feat_pool_ops_map, pooled_positions
+from ssl_engine.models.pooling import POOL_OPS_KEY, parse_feat_pool_ops_map, pooled_positions
 from ssl_engine.registry import HEADS, TRUNKS
 
 logger = logging.getLogger(__name__)
@@ -320,10 +320,33 @@ class SSLModel(nn.Module):
     def _pooled_features(self, batch: Batch, flatten: bool) -> List[torch.Tensor]:
         feats = self._trunk_forward(batch, list(self.feat_layer_names))
         with self._frozen_trunk_no_grad():
-            feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
+            try:
+                feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
+            except RuntimeError as e:  # no cost until raised (python >= 3.11)
+                self._explain_pool_error(batch, feats, e)
+                raise
         if flatten:
             feats = [f.reshape(f.shape[0], -1) for f in feats]
         return feats
+
+    def _explain_pool_error(self, batch: Batch, feats: List[torch.Tensor], error: RuntimeError) -> None:
+        """A pool op that does not fit its layer's map (VISSL's maps are sized for 224x224 crops:
+        a 6x6 kernel on a res5 of 2x2 when the images are 64x64) becomes a UserError naming the
+        map entry, the layer's size and the input's."""
+        for idx, (layer, op, feat) in enumerate(zip(self.feat_layer_names, self.feat_pool_ops, feats)):
+            try:
+                with torch.no_grad():
+                    op(feat[:1])
+            except RuntimeError as e:
+                first = batch if isinstance(batch, torch.Tensor) else list(batch)[0]
+                image = "x".join(str(d) for d in first.shape[2:]) if first.ndim > 2 else "?"
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise UserError(
+                    f"config.{POOL_OPS_KEY}[{idx}]: {op} does not fit trunk layer "
+                    f"{layer!r} of {list(feat.shape[1:])} (input images {image}): {reason}; use a pool op that fits "
+                    f"that size (e.g. AdaptiveAvgPool2d with the output size you want), or larger images"
+                ) from None
+        del error  # not a pool op's error: the caller re-raises it
 
     def forward(self, batch: Batch) -> List[torch.Tensor]:
         """Model outputs as a list: one tensor in training (or the list a head returns, e.g. swav_head's

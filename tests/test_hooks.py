@@ -904,6 +904,35 @@ def test_metrics_file_drops_lines_of_phases_the_run_will_redo(tmp_path: Path) ->
     assert path.stat().st_mtime_ns == before
 
 
+def test_records_are_kept_by_what_they_are_not_by_their_phase_index() -> None:
+    """The checkpoint's own (train_phase_idx, phase type, complete) decides, whatever phase_idx a
+    record carries: a run with other test phases numbers its phases otherwise."""
+    from types import SimpleNamespace
+
+    from ssl_engine.hooks.resume_point import done_before_resume, record_position
+
+    def rec(k, kind, phase_idx, **extra):
+        return {"phase_idx": phase_idx, "train_phase_idx": k, f"{kind}_loss": 1.0, **extra}
+
+    assert record_position(rec(3, "test", 9)) == (3, 1)
+    assert record_position({"phase_type": "train", "train_phase_idx": 2, "loss": 1.0}) == (2, 0)
+    assert record_position({"phase_idx": 1, "train_loss": 1.0}) is None  # falls back to phase_idx
+    # finished after the test of train phase 1 (its phase 3); here that test is gone and train phase 1 is phase 2
+    done = done_before_resume(SimpleNamespace(phase_idx=2, _resume_in_phase=False, resume_point=(1, False, True),
+                                              checkpoint_local_iteration=2, local_iteration_num=0))
+    assert [done(r) for r in (rec(0, "train", 0), rec(0, "test", 1), rec(1, "train", 2), rec(1, "test", 3),
+                              rec(2, "train", 3))] == [True, True, True, True, False]
+    # stopped inside train phase 1 after 3 steps: its stats up to step 3 stay, its phase-end line goes
+    done = done_before_resume(SimpleNamespace(phase_idx=2, _resume_in_phase=True, resume_point=(1, True, False),
+                                              checkpoint_local_iteration=3, local_iteration_num=3))
+    stats = [{"phase_type": "train", "phase_idx": 9, "train_phase_idx": 1, "local_iteration": i} for i in (2, 3, 4)]
+    assert [done(r) for r in stats] == [True, True, False]
+    assert [done(r) for r in (rec(0, "test", 1), rec(1, "train", 2), {"note": "someone else's"})] == [True, False, True]
+    # from scratch: nothing of ours is done
+    done = done_before_resume(SimpleNamespace(phase_idx=-1, _resume_in_phase=False, local_iteration_num=0))
+    assert not done(rec(0, "train", 0)) and not done({"phase_idx": 0, "train_loss": 1.0})
+
+
 def test_tensorboard_hides_the_events_a_resumed_run_redoes(tmp_path: Path) -> None:
     """A killed run logged iterations 2..10; its checkpoint holds 6: the rerun's events for 8 and
     10 replace the killed run's (purge_step), and TensorBoard shows each step once."""

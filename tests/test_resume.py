@@ -402,6 +402,43 @@ def test_overwrite_existing_resumes_a_finished_run_as_vissl_and_deletes_nothing(
     assert all(after[name] == state for name, state in before.items() if name.startswith("model_")), "a file changed"
 
 
+def _positions(folder, name):
+    """(train_phase_idx, phase type) of each line of a metrics.json / stdout.json, and the global
+    iterations of the stdout.json lines."""
+    lines = [json.loads(line) for line in (folder / name).read_text().splitlines()]
+    if name == "stdout.json":
+        return [line["iteration"] for line in lines]
+    return [(r["train_phase_idx"], "train" if "train_loss" in r else "test") for r in lines]
+
+
+def test_training_on_with_other_test_phases_keeps_every_line_of_the_earlier_phases(setup, tmp_path):
+    """A finished 2-epoch run tested after epochs 0 and 1 (TEST_EVERY_NUM_EPOCH=2): trained on to
+    4 epochs, its phase indices name other phases (the test after epoch 1 is phase 3 there, train
+    epoch 2 here). Its lines stay, each once, whatever this run calls their phase: metrics.json
+    lost the test line after epoch 1, and with TEST_MODEL switched off stdout.json lost epoch 1."""
+    root, cfg = setup
+    first = tmp_path / "first"
+    r = run(cfg, first, "config.OPTIMIZER.num_epochs=2", "config.TEST_EVERY_NUM_EPOCH=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    old = [(0, "train"), (0, "test"), (1, "train"), (1, "test")]
+    assert _positions(first, "metrics.json") == old
+    assert _positions(first, "stdout.json") == list(range(1, 2 * ITERS_PER_EPOCH + 1))
+    on = tmp_path / "on"
+    shutil.copytree(first, on, symlinks=True)
+    r = run(cfg, on, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=4",
+            "config.TEST_EVERY_NUM_EPOCH=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _positions(on, "metrics.json") == old + [(2, "train"), (2, "test"), (3, "train"), (3, "test")]
+    assert _positions(on, "stdout.json") == list(range(1, 4 * ITERS_PER_EPOCH + 1))
+    untested = tmp_path / "untested"
+    shutil.copytree(first, untested, symlinks=True)
+    r = run(cfg, untested, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=3",
+            "config.TEST_MODEL=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _positions(untested, "metrics.json") == old + [(2, "train")]
+    assert _positions(untested, "stdout.json") == list(range(1, 3 * ITERS_PER_EPOCH + 1))
+
+
 def test_a_new_run_from_scratch_never_resumes_the_earlier_runs_files(setup, reference, tmp_path):
     """OVERWRITE_EXISTING with AUTO_RESUME=false trains a finished folder again from scratch (VISSL).
     The earlier run's files are moved into previous_run.1 first (same bytes and times), so when the

@@ -18,6 +18,7 @@ from ssl_engine.checkpoint import atomic_write_text
 from ssl_engine.errors import UserError
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
+from ssl_engine.hooks.resume_point import done_before_resume
 from ssl_engine.registry import HOOKS
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,6 @@ def read_metrics(path: Path) -> list:
             if isinstance(record, dict):  # anything else is not a phase record
                 out.append(record)
     return out
-
-
-def _phase_of(record: Dict[str, Any]) -> Optional[int]:
-    try:
-        return int(record.get("phase_idx", -1))
-    except (TypeError, ValueError):
-        return None
 
 
 def append_line(path: Path, line: str) -> None:
@@ -105,16 +99,16 @@ class MetricsHook(SSLHook):
         self.state.count = 0
 
     def on_start(self, task: Any) -> None:
-        """Drop what a crashed attempt left behind: lines of phases this run will (re)do, and a
-        partial last line. Rewrites the file (atomically) only when there is something to drop."""
+        """Drop what a crashed attempt left behind: lines of phases this run will (re)do (by what
+        each line is, see ssl_engine.hooks.resume_point), and a partial last line. Rewrites the file (atomically) only when there is something to drop."""
         if not du.is_primary() or not os.path.lexists(self.path):
             return
         if not self.path.is_file():
             raise UserError(f"{self.path} is not a file; the run writes its phase metrics there: move it away")
-        first_to_run = task.phase_idx + (0 if getattr(task, "_resume_in_phase", False) else 1)
+        done = done_before_resume(task)
         text = self.path.read_text(encoding="utf-8", errors="replace")
         records = read_metrics(self.path)
-        kept = [r for r in records if (_phase_of(r) if _phase_of(r) is not None else first_to_run) < first_to_run]
+        kept = [r for r in records if done(r)]
         partial = bool(text) and not text.endswith("\n")
         if len(kept) != len(records) or partial or len(records) != text.count("\n"):
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

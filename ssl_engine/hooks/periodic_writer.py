@@ -19,6 +19,7 @@ import torch
 from ssl_engine import distributed as du
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
+from ssl_engine.hooks.resume_point import done_before_resume
 from ssl_engine.registry import HOOKS
 
 log = logging.getLogger(__name__)
@@ -170,29 +171,9 @@ class JsonLinesWriter(Writer):
 
 
 def logged_before(task: Any) -> Callable[[Dict[str, Any]], bool]:
-    """Whether a logged iteration's stats (``phase_idx``, ``local_iteration``) come from the part
-    of the run that ``task``'s counters say is done: phases before the current one, and in a phase
-    resumed in the middle, its first ``local_iteration_num`` steps. At start, with the counters of
-    the checkpoint (or of no checkpoint: nothing is done), what is not done will run again. The
-    steps are counted as the checkpoint counted them (``checkpoint_local_iteration``): lines the
-    run before logged in its own batches stay when this run's batch differs."""
-    phase, in_phase = task.phase_idx, bool(getattr(task, "_resume_in_phase", False))
-    steps = getattr(task, "checkpoint_local_iteration", None)
-    steps = task.local_iteration_num if steps is None else steps
-
-    def done(stats: Dict[str, Any]) -> bool:
-        try:
-            p = int(stats["phase_idx"])
-        except (KeyError, TypeError, ValueError):
-            return True  # not one of ours: leave it
-        if p != phase:
-            return p < phase
-        try:
-            return not in_phase or int(stats["local_iteration"]) <= steps
-        except (KeyError, TypeError, ValueError):
-            return True
-
-    return done
+    """Whether a logged iteration's stats come from the part of the run that the checkpoint
+    ``task`` resumed from holds (see ssl_engine.hooks.resume_point): what is not done runs again."""
+    return done_before_resume(task)
 
 
 @HOOKS.register("PeriodicWriterHook")

@@ -69,6 +69,9 @@ class SelfSupervisionTask(ClassyTask):
         self.iteration = 0
         self.local_iteration_num = 0
         self.checkpoint_local_iteration: Optional[int] = None  # local_iteration_num as the resumed checkpoint had it
+        # (train_phase_idx, train, phase_complete) as the resumed checkpoint had them: what its
+        # run had done, whatever phase_idx that is here (see hooks.resume_point)
+        self.resume_point: Optional[Tuple[int, bool, bool]] = None
         self.train = True
         self.phase_complete = False
         self._resume_in_phase = False
@@ -640,6 +643,8 @@ class SelfSupervisionTask(ClassyTask):
                 h.set_classy_state(hook_states[key])
         if self.grad_scaler is not None and state.get("amp"):
             self.grad_scaler.load_state_dict(state["amp"])
+        if int(state["phase_idx"]) >= 0:
+            self.resume_point = (int(state["train_phase_idx"]), bool(state["train"]), bool(state["phase_complete"]))
         self.phase_idx, in_phase = self._resume_phase_idx(state)
         self.train_phase_idx = state["train_phase_idx"]
         self.iteration = state["iteration"]

@@ -857,3 +857,27 @@ def test_a_list_where_a_section_belongs_names_the_key(tmp_path):
     path = write_yaml(tmp_path, "section_list.yaml", "# @package _global_\nconfig:\n  DATA:\n    TRAIN: [a, b]\n")
     with pytest.raises(ConfigError, match=r"section_list.yaml: config.DATA.TRAIN holds a list, but it is a section"):
         compose([f"config={path}"])
+
+
+@pytest.mark.parametrize("text, override, must", [
+    ("  MODEL:\n    HEAD:\n      PARAMS: {name: mlp, dims: [512, 64]}\n", None,
+     "head_dict.yaml: config.MODEL.HEAD.PARAMS holds a mapping, but it is a list: write it as a list (PARAMS: [...]"),
+    (None, "config.DATA.TRAIN.DATA_SOURCES={a: 1}",
+     "config.DATA.TRAIN.DATA_SOURCES={a: 1} gives a mapping, but config.DATA.TRAIN.DATA_SOURCES is a list: write it "
+     "as a list (config.DATA.TRAIN.DATA_SOURCES=[...])"),
+    (None, "config.METERS.accuracy_list_meter.topk_values={a: 1}",
+     "but config.METERS.accuracy_list_meter.topk_values is a list: write it as a list like its default [1]"),
+    (None, "config.MACHINE=[cpu]",
+     "config.MACHINE=[cpu] gives a list, but config.MACHINE is a section of options: set them one by one"),
+])
+def test_a_mapping_where_a_list_belongs_names_the_key(tmp_path, text, override, must):
+    """hydra's message ("Cannot merge DictConfig with ListConfig") names the key only deep in its
+    cause, and for a yaml file not at all."""
+    args = [QUICK]
+    if text is not None:
+        args = [f"config={write_yaml(tmp_path, 'head_dict.yaml', '# @package _global_' + chr(10) + 'config:' + chr(10) + text)}"]
+    if override is not None:
+        args.append(override)
+    with pytest.raises(ConfigError) as info:
+        compose(args)
+    assert must in str(info.value) and "Cannot merge" not in str(info.value), str(info.value)

@@ -9,6 +9,7 @@ validated (see validate.py) and returned as an AttrDict of the ``config:`` node 
 
 import copy
 import functools
+import json
 import logging
 import os
 import re
@@ -284,14 +285,27 @@ def _check_sections_are_mappings(path: Path, tree: Dict[str, Any], defaults: Dic
     merge with a message that names no key; name it here."""
     for key, value in tree.items():
         default = defaults.get(key) if isinstance(key, str) else None
+        where = f"{prefix}.{key}"
+        if isinstance(default, list) and isinstance(value, dict):
+            raise ConfigError(f"config file {path}: {where} holds a mapping, but it is a list: write it as "
+                              f"{_list_example(where, default)}")
         if not isinstance(default, dict) or not default:
             continue
-        where = f"{prefix}.{key}"
         if isinstance(value, list):
             raise ConfigError(f"config file {path}: {where} holds a list, but it is a section: expected a mapping "
                               f"of its options (e.g. {where}.{next(iter(default))}: ...)")
         if isinstance(value, dict):
             _check_sections_are_mappings(path, value, default, where)
+
+
+def _list_example(key: str, default: List[Any], override: bool = False) -> str:
+    """How a list key is written: like its default when it has one, else the list form of a
+    yaml file or of a command-line override."""
+    if default:
+        return f"a list like its default {json.dumps(default)}"
+    if override:
+        return f"a list ({key}=[...])"
+    return f"a list ({key.rsplit('.', 1)[-1]}: [...] or one '- ' line per entry)"
 
 
 def _has_global_package_header(path: Path) -> bool:
@@ -458,8 +472,34 @@ def _explain_hydra_error(e: Exception) -> str:
     m = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg)
     if m:
         return f"+{m.group(1)}=... adds a key that already exists; set it with {m.group(1)}=... instead"
+    mismatch = _explain_type_mismatch(e)
+    if mismatch:
+        return mismatch
     msg = msg.split(" Config search path:")[0]
     return f"cannot compose the config: {msg or type(e).__name__}"
+
+
+def _explain_type_mismatch(e: Exception) -> Optional[str]:
+    """omegaconf's "Cannot merge DictConfig with ListConfig" (a mapping given where the defaults
+    have a list, or a list where they have a section) names the key in the error's cause."""
+    chain = " ".join(" ".join(str(x).split()) for x in (e, e.__cause__, e.__context__) if x is not None)
+    m = re.search(r"Cannot merge \w+Config with \w+Config full_key: (\S*) object_type=(\w+)", chain)
+    if not m:
+        return None
+    key, expected = m.group(1), m.group(2)
+    given = "a mapping" if expected == "list" else "a list"
+    override = re.search(r"Error merging override (.+?) Cannot merge", chain)
+    where = override.group(1) if override else "a config file"
+    if not key:
+        return (f"{where} gives {given} where the config has {'a list' if expected == 'list' else 'a section'} "
+                f"(hydra does not say which key); check that file's keys against the README's tables")
+    default: Any = load_defaults()
+    for part in key.split("."):
+        default = default.get(part) if isinstance(default, dict) else None
+    if expected == "list":
+        how = _list_example(key, default if isinstance(default, list) else [], override=bool(override))
+        return f"{where} gives a mapping, but {key} is a list: write it as {how}"
+    return f"{where} gives {given}, but {key} is a section of options: set them one by one ({key}.<OPTION>=...)"
 
 
 # Sections that are ``{}`` in defaults.yaml and whose keys are a part's own options (VISSL's

@@ -295,6 +295,23 @@ def test_train_phase_updates_and_test_phase_does_not(tmp_path):
     assert task.meters[0].value["top_1"]["0"] >= 0
 
 
+def test_non_trainable_params_keep_their_values_and_a_wrong_name_is_one_line(tmp_path):
+    """MODEL.NON_TRAINABLE_PARAMS (VISSL: exact parameter names; here also module names) were
+    accepted but not acted on: the whole model trained."""
+    task = tiny_task(tmp_path, "config.MODEL.NON_TRAINABLE_PARAMS=[trunk,heads.0.clf.0.bias]",
+                     "config.OPTIMIZER.weight_decay=0.01")
+    before = {k: v.clone() for k, v in task.base_model.named_parameters()}
+    optimized = {id(p) for g in task.optimizer.optimizer.param_groups for p in g["params"]}
+    run_phase(task)
+    moved = sorted(k for k, v in task.base_model.named_parameters() if not torch.equal(before[k], v))
+    assert moved == ["heads.0.clf.0.weight"]
+    assert optimized == {id(task.base_model.heads[0].clf[0].weight)}
+    r = run_tool(TINY + [f"config.CHECKPOINT.DIR={tmp_path / 'bad'}", "config.MODEL.NON_TRAINABLE_PARAMS=[trunk.conv1]"])
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "config.MODEL.NON_TRAINABLE_PARAMS[0]: 'trunk.conv1' names no parameter or module" in err, err
+
+
 def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
     a = tiny_task(tmp_path / "a", "config.TRAINER.GRAD_ACCUMULATION_STEPS=2", "config.OPTIMIZER.momentum=0.0",
                   "config.OPTIMIZER.weight_decay=0.0")

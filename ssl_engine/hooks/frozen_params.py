@@ -2,7 +2,7 @@
 during the first N training iterations (e.g. SwAV's prototypes for the first epoch).
 
 Each entry is ``[name, N]``; a name is a parameter of the model (``heads.0.clf.0.weight``) or a
-module prefix (``heads.0``) that covers every parameter under it. After backward, the frozen
+module prefix (``heads.0``) that covers every parameter under it (see models.param_names). After backward, the frozen
 parameters' gradients are set to None, so the optimizer skips them entirely: no gradient
 step, no weight decay, no momentum. With DDP the gradients are still reduced (the buckets
 need them), then dropped. From iteration N on, nothing is done.
@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ssl_engine import distributed as du
-from ssl_engine.errors import UserError, did_you_mean
+from ssl_engine.errors import UserError
 from ssl_engine.hooks.base import Priority, SSLHook
+from ssl_engine.models.param_names import match_params, no_such_params
 from ssl_engine.registry import HOOKS
 
 log = logging.getLogger(__name__)
@@ -32,17 +33,6 @@ def parse_iter_map(entries: Sequence[Any]) -> List[Tuple[str, int]]:
             raise UserError(f"{KEY} entry {e!r} is not [parameter name, iterations >= 0]")
         out.append((e[0], int(e[1])))
     return out
-
-
-def match_params(model: torch.nn.Module, name: str) -> List[Tuple[str, torch.nn.Parameter]]:
-    """The parameters called ``name`` or under the module ``name``. VISSL's configs name them
-    as seen through DistributedDataParallel (``module.heads.0...``): that prefix is dropped when
-    the name does not match as written."""
-    prefix = name.rstrip(".") + "."
-    found = [(n, p) for n, p in model.named_parameters() if n == name or n.startswith(prefix)]
-    if not found and name.startswith("module."):
-        return match_params(model, name[len("module."):])
-    return found
 
 
 @HOOKS.register("TempFrozenParamsHook")
@@ -63,11 +53,7 @@ class TempFrozenParamsHook(SSLHook):
         for name, iters in self.entries:
             params = match_params(model, name)
             if not params:
-                names = [n for n, _ in model.named_parameters()]
-                candidates = names + [n for n, _ in model.named_modules() if n]
-                raise UserError(f"{KEY}: {name!r} names no parameter or module of the model"
-                                f"{did_you_mean(name, candidates)}; parameter names look like "
-                                f"{names[0] if names else '(none)'!r}")
+                raise no_such_params(KEY, name, model)
             self._frozen.append((iters, [p for _, p in params]))
             if du.is_primary():
                 log.info("%s: %d parameter tensors under %r frozen for the first %d iterations",

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
+from ssl_engine.models.param_names import match_params, no_such_params
 from ssl_engine.models.pooling import POOL_OPS_KEY, parse_feat_pool_ops_map, pooled_positions
 from ssl_engine.registry import HEADS, TRUNKS
 
@@ -276,6 +277,13 @@ class SSLModel(nn.Module):
                 p.requires_grad = False
         if self.heads_frozen:
             for p in self.heads.parameters():
+                p.requires_grad = False
+        for i, name in enumerate(self.model_config.get("NON_TRAINABLE_PARAMS") or []):
+            # VISSL's list of parameter names the optimizer leaves alone; a module name covers its parameters
+            params = match_params(self, str(name))
+            if not params:
+                raise no_such_params(f"config.MODEL.NON_TRAINABLE_PARAMS[{i}]", str(name), self)
+            for _, p in params:
                 p.requires_grad = False
         self.train(self.training)
 

@@ -433,7 +433,7 @@ def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: Li
                     f"known: {', '.join(DATA_SOURCES.names())}"
                 )
             same = j < len(names) and names[j] == name and (not lpath or lpath == source_path(data_paths, j))
-            src = sources[j] if same else build_source(name, cfg, lpath or source_path(data_paths, j), split, j)
+            src = sources[j] if same else _label_source(cfg, split, j, name, lpath, names, data_paths)
             if not callable(getattr(src, "labels", None)):
                 raise UserError(f"{where}: data source {name!r} provides no labels; use a source that has labels")
             arr = np.asarray(src.labels())
@@ -445,6 +445,22 @@ def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: Li
             )
         arrays.append(arr)
     return arrays
+
+
+def _label_source(cfg: Any, split: str, j: int, name: str, lpath: str, names: List[str], data_paths: List[str]) -> Any:
+    """The label source ``name`` of LABEL_SOURCES[j], built on LABEL_PATHS[j] or else DATA_PATHS[j];
+    an error of that path names the label source that read it (not only the data path)."""
+    try:
+        return build_source(name, cfg, lpath or source_path(data_paths, j), split, j)
+    except UserError as e:
+        data = names[j] if j < len(names) else None
+        read = data_key(split, "LABEL_PATHS" if lpath else "DATA_PATHS") + f"[{j}]"
+        hint = ""
+        if data == "disk_filelist":
+            hint = (f"; labels of a disk_filelist come from {data_key(split, 'LABEL_SOURCES')}=[disk_filelist] with "
+                    f"{data_key(split, 'LABEL_PATHS')}=[<.npy or .txt of labels, one per file>]")
+        raise UserError(f"{data_key(split, 'LABEL_SOURCES')}[{j}]={name} reads its labels from {read}"
+                        f"{f' (DATA_SOURCES[{j}] is {data})' if data and data != name else ''}, and: {e}{hint}") from None
 
 
 def build_dataset(cfg: Any, split: str) -> SSLDataset:

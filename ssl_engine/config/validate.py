@@ -657,26 +657,31 @@ def _check_registered_names(cfg: AttrDict, _lookup: Callable[[Any, str, Any], No
 
 
 def check_data_paths(cfg: AttrDict) -> None:
-    """Folders and files named in DATA_PATHS exist (checked before processes start)."""
-    splits = ["TRAIN", "TEST"]
-    for split in splits:
+    """Folders and files named in DATA_PATHS exist (checked before processes start). Every
+    missing path of every split is named in the one error, not one per run."""
+    problems: List[str] = []
+    for split in ("TRAIN", "TEST"):
         d = cfg.DATA[split]
         for i, source in enumerate(d.DATA_SOURCES):
             if source not in ("disk_folder", "disk_filelist"):
                 continue
             paths = d.DATA_PATHS
             if i >= len(paths) or not paths[i]:
-                raise ConfigError(
+                problems.append(
                     f"config.DATA.{split}.DATA_PATHS is missing the path for source {i} ({source}): "
                     f"give a {'folder' if source == 'disk_folder' else 'file list'}"
                 )
+                continue
             p = paths[i][0] if isinstance(paths[i], list) else paths[i]
             try:
                 found = Path(str(p)).expanduser().exists()
             except (ValueError, OSError) as e:
-                raise ConfigError(f"config.DATA.{split}.DATA_PATHS[{i}]={show_value(p)} is not a usable path ({e})") from None
+                problems.append(f"config.DATA.{split}.DATA_PATHS[{i}]={show_value(p)} is not a usable path ({e})")
+                continue
             if not found:
-                raise ConfigError(f"config.DATA.{split}.DATA_PATHS[{i}]: {p} does not exist")
+                problems.append(f"config.DATA.{split}.DATA_PATHS[{i}]: {p} does not exist")
+    if problems:
+        raise ConfigError("; and ".join(problems))
 
 
 # ----------------------------------------------------------------------------------------
@@ -874,14 +879,21 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
     else:
         return
     loaders, datasets = {}, {}
+    data_errors: List[str] = []
     for split in splits:
-        dataset = _checked(f"the {split} data", build_dataset, build_cfg, split)
+        try:  # every split's data is checked: a bad TEST path is told with the TRAIN one, not on the next run
+            dataset = _checked(f"the {split} data", build_dataset, build_cfg, split)
+        except UserError as e:
+            data_errors.append(str(e))
+            continue
         if dataset is not None:
             datasets[split] = dataset
             loaders[split] = _checked(
                 f"the {split} loader", build_dataloader, dataset, build_cfg, split, 0, world_size, "cpu",
                 check_cpus=False,  # the ranks may run on other machines (SLURM); they check their own CPUs
             )
+    if data_errors:
+        raise UserError("; and ".join(data_errors))
     with torch.device("meta"):
         model = _checked("the model", build_model, build_cfg.MODEL, build_cfg.OPTIMIZER)
         loss = _checked("the loss", build_loss, build_cfg.LOSS)

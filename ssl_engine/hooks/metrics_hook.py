@@ -38,6 +38,15 @@ def read_metrics(path: Path) -> list:
     return out
 
 
+def _phase_idx_readable(record: Dict[str, Any]) -> bool:
+    """False for a line whose phase_idx is not a number: not a record this file can hold."""
+    try:
+        int(record.get("phase_idx", -1))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def append_line(path: Path, line: str) -> None:
     """Append ``line`` with one write and make it durable (fdatasync), without rewriting the file.
 
@@ -108,7 +117,7 @@ class MetricsHook(SSLHook):
         done = done_before_resume(task)
         text = self.path.read_text(encoding="utf-8", errors="replace")
         records = read_metrics(self.path)
-        kept = [r for r in records if done(r)]
+        kept = [r for r in records if _phase_idx_readable(r) and done(r)]
         partial = bool(text) and not text.endswith("\n")
         if len(kept) != len(records) or partial or len(records) != text.count("\n"):
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -220,7 +220,10 @@ class PeriodicWriterHook(SSLHook):
         if task.last_data_time > self._data_time:
             self._data_time = task.last_data_time
         if task.train:
-            if task.iteration % self.log_frequency == 0:
+            it = task.iteration
+            # VISSL's rule: every LOG_FREQUENCY iterations, and iteration 1 and every 5th up to 100
+            # (a short or slow run shows that it trains before the first LOG_FREQUENCY)
+            if it % self.log_frequency == 0 or it == 1 or (it <= 100 and it % 5 == 0):
                 self._emit(task)
         elif self.log_test_phases and task.local_iteration_num % self.log_frequency == 0:
             self._emit(task)

@@ -56,6 +56,16 @@ def build_phases(config: AttrDict) -> List[Dict[str, bool]]:
     return phases
 
 
+def cpu_has_native(dtype_name: str) -> bool:
+    """Whether this CPU computes ``dtype_name`` (bfloat16 / float16) natively, as oneDNN sees it;
+    True when torch cannot say (no warning is better than a wrong one)."""
+    probe = {"bfloat16": "_is_mkldnn_bf16_supported", "float16": "_is_mkldnn_fp16_supported"}.get(dtype_name)
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)()) if probe else True
+    except (AttributeError, RuntimeError):
+        return True
+
+
 @TASKS.register("self_supervision_task")
 class SelfSupervisionTask(ClassyTask):
     """The state of one run: parts, phases and loop counters."""
@@ -241,6 +251,12 @@ class SelfSupervisionTask(ClassyTask):
         if du.is_primary():  # the numerics change: say so once, with the dtype it chose
             log.info("mixed precision (MODEL.AMP_PARAMS.USE_AMP): forward and loss under torch.autocast to %s on %s%s",
                      name, self.device.type, ", gradients scaled by a GradScaler" if self.grad_scaler else "")
+            if self.device.type == "cpu" and not cpu_has_native(name):
+                # a GPU yaml run on a laptop: emulated half precision is several times slower than float32
+                log.warning("config.MODEL.AMP_PARAMS.USE_AMP=true on a CPU without native %s (%s): autocast emulates it, "
+                            "several times slower than float32; "
+                            "set config.MODEL.AMP_PARAMS.USE_AMP=false on this machine", name,
+                            "AVX512-BF16 / AMX" if name == "bfloat16" else "AVX512-FP16 / AMX-FP16")
 
     def autocast(self) -> Any:
         """The autocast context of this run (a null context without AMP)."""

@@ -197,20 +197,17 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
     torch, and a config mistake may end the process directly (see prepare_config)."""
     from ssl_engine import startup_gc
 
-    collector_was_on = startup_gc.pause() if tool_process else None  # until the imports are done
-    from ssl_engine import preemption
-
-    preemption.install()  # a preemption signal during startup is kept for the first step, not fatal
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("SSL_ENGINE_DEBUG", "") not in ("", "0")
-    quiet_dependency_warnings()
     try:
-        overrides, node_id, flag = _split_args(argv)
-        debug = debug or flag
-        cfg = prepare_config(overrides, tool_process=tool_process and not debug)
-        if collector_was_on is not None:
-            startup_gc.resume(collector_was_on)
-            collector_was_on = None
+        with startup_gc.paused(tool_process):  # from the first import until the last (see startup_gc)
+            from ssl_engine import preemption
+
+            preemption.install()  # a preemption signal during startup is kept for the first step, not fatal
+            quiet_dependency_warnings()
+            overrides, node_id, flag = _split_args(argv)
+            debug = debug or flag
+            cfg = prepare_config(overrides, tool_process=tool_process and not debug)
         return body(cfg, node_id)
     except UserError as e:
         if debug:
@@ -237,9 +234,9 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     finally:
-        if collector_was_on is not None:  # an error before the imports were done
-            startup_gc.resume(collector_was_on)
         if tool_process:  # the command has ended: its exit code must survive the process's shutdown
+            from ssl_engine import preemption
+
             preemption.ignore_from_now()
 
 

@@ -177,11 +177,8 @@ def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid
     try:
         from ssl_engine import startup_gc
 
-        collector_was_on = startup_gc.pause()  # the engine's imports (see startup_gc)
-        try:
+        with startup_gc.paused():  # the engine's imports (see startup_gc)
             from ssl_engine.engines import run_engine
-        finally:
-            startup_gc.resume(collector_was_on)
         run_engine(cfg, info)
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short

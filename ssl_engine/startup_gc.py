@@ -16,19 +16,24 @@ cells and tuples that modules dropped; about 7 MB next to 700 MB of imported cod
 machine) stay in memory for the life of the process. Nothing the run creates later is affected.
 """
 
+import contextlib
 import gc
+from typing import Iterator
 
 
-def pause() -> bool:
-    """Switch the collector off; returns whether it was on (for :func:`resume`)."""
+@contextlib.contextmanager
+def paused(active: bool = True) -> Iterator[None]:
+    """The collector is off inside the block (the imports); on leaving it, also on an error,
+    every object tracked then is frozen and the collector is switched back on when it was on
+    before. ``active=False`` leaves the collector alone (a library caller's process)."""
+    if not active:
+        yield
+        return
     was_on = gc.isenabled()
     gc.disable()
-    return was_on
-
-
-def resume(was_on: bool) -> None:
-    """Freeze every object tracked now (imports done) and switch the collector back on when it
-    was on before :func:`pause`. Safe to call more than once."""
-    gc.freeze()
-    if was_on:
-        gc.enable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_on:
+            gc.enable()

@@ -600,16 +600,21 @@ def check_registered_names(cfg: AttrDict) -> None:
             unknown.append((registry, key, name))
 
     _check_registered_names(cfg, _lookup)
-    if len(unknown) == 1:
+    # one part named in several places (a data source of TRAIN and TEST) counts once, with its keys
+    keys_of: Dict[Tuple[str, str], List[str]] = {}
+    registries = {}
+    for registry, key, name in unknown:
+        keys_of.setdefault((registry.kind, name), []).append(key)
+        registries[registry.kind] = registry
+    if len(keys_of) == 1:
         registry, key, name = unknown[0]
         registry.get(name, key)  # its own message, with the closest names
-    if unknown:
-        parts = ", ".join(f"{r.kind} {n!r} ({k})" for r, k, n in unknown)
-        kinds = {r.kind: r for r, _, _ in unknown}
+    if keys_of:
+        parts = ", ".join(f"{kind} {n!r} ({', '.join(keys)})" for (kind, n), keys in keys_of.items())
         known = "; ".join(f"known {kind}{'es' if kind.endswith('s') else 's'}: {', '.join(r.names()) or '(none)'}"
-                          for kind, r in kinds.items())
+                          for kind, r in registries.items())
         raise ConfigError(
-            f"this config names {len(unknown)} parts that are not registered: {parts}; {known} "
+            f"this config names {len(keys_of)} parts that are not registered: {parts}; {known} "
             f"(your own parts are registered by the modules in config.USER_MODULES)"
         )
 

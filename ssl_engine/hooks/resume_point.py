@@ -1,4 +1,5 @@
-"""Which logged records a resumed run keeps: metrics.json lines, stdout.json lines, TensorBoard points.
+"""Which logged records a resumed run keeps: metrics.json and stdout.json lines (TensorBoard
+events are hidden by step instead, see hooks.tensorboard).
 
 A run that resumes from a checkpoint redoes what came after it, so what a crashed attempt logged
 past the checkpoint goes, and what it logged before stays. "Before" is decided by what a record

@@ -423,20 +423,18 @@ def test_training_on_with_other_test_phases_keeps_every_line_of_the_earlier_phas
     old = [(0, "train"), (0, "test"), (1, "train"), (1, "test")]
     assert _positions(first, "metrics.json") == old
     assert _positions(first, "stdout.json") == list(range(1, 2 * ITERS_PER_EPOCH + 1))
-    on = tmp_path / "on"
-    shutil.copytree(first, on, symlinks=True)
-    r = run(cfg, on, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=4",
-            "config.TEST_EVERY_NUM_EPOCH=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert _positions(on, "metrics.json") == old + [(2, "train"), (2, "test"), (3, "train"), (3, "test")]
-    assert _positions(on, "stdout.json") == list(range(1, 4 * ITERS_PER_EPOCH + 1))
-    untested = tmp_path / "untested"
-    shutil.copytree(first, untested, symlinks=True)
-    r = run(cfg, untested, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=3",
-            "config.TEST_MODEL=false")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert _positions(untested, "metrics.json") == old + [(2, "train")]
-    assert _positions(untested, "stdout.json") == list(range(1, 3 * ITERS_PER_EPOCH + 1))
+
+    def train_on(name, epochs, *extra):
+        folder = tmp_path / name
+        shutil.copytree(first, folder, symlinks=True)
+        r = run(cfg, folder, "config.CHECKPOINT.OVERWRITE_EXISTING=true", f"config.OPTIMIZER.num_epochs={epochs}", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert _positions(folder, "stdout.json") == list(range(1, epochs * ITERS_PER_EPOCH + 1))
+        return _positions(folder, "metrics.json")
+
+    assert train_on("on", 4, "config.TEST_EVERY_NUM_EPOCH=2") == old + [(2, "train"), (2, "test"), (3, "train"),
+                                                                      (3, "test")]
+    assert train_on("untested", 3, "config.TEST_MODEL=false") == old + [(2, "train")]
 
 
 def test_a_new_run_from_scratch_never_resumes_the_earlier_runs_files(setup, reference, tmp_path):

@@ -2,10 +2,10 @@
 during the first N training iterations (e.g. SwAV's prototypes for the first epoch).
 
 Each entry is ``[name, N]``; a name is a parameter of the model (``heads.0.clf.0.weight``) or a
-module prefix (``heads.0``) that covers every parameter under it (see models.param_names). After backward, the frozen
-parameters' gradients are set to None, so the optimizer skips them entirely: no gradient
-step, no weight decay, no momentum. With DDP the gradients are still reduced (the buckets
-need them), then dropped. From iteration N on, nothing is done.
+module prefix (``heads.0``) that covers every parameter under it (see models.param_names).
+After backward, the frozen parameters' gradients are set to None, so the optimizer skips them
+entirely: no gradient step, no weight decay, no momentum. With DDP the gradients are still
+reduced (the buckets need them), then dropped. From iteration N on, nothing is done.
 """
 
 import logging

@@ -109,7 +109,8 @@ class MetricsHook(SSLHook):
 
     def on_start(self, task: Any) -> None:
         """Drop what a crashed attempt left behind: lines of phases this run will (re)do (by what
-        each line is, see ssl_engine.hooks.resume_point), and a partial last line. Rewrites the file (atomically) only when there is something to drop."""
+        each line is, see ssl_engine.hooks.resume_point), and a partial last line. Rewrites the
+        file (atomically) only when there is something to drop."""
         if not du.is_primary() or not os.path.lexists(self.path):
             return
         if not self.path.is_file():

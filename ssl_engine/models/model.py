@@ -330,17 +330,18 @@ class SSLModel(nn.Module):
         with self._frozen_trunk_no_grad():
             try:
                 feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
-            except RuntimeError as e:  # no cost until raised (python >= 3.11)
-                self._explain_pool_error(batch, feats, e)
+            except RuntimeError:  # no cost until raised (python >= 3.11)
+                self._explain_pool_error(batch, feats)
                 raise
         if flatten:
             feats = [f.reshape(f.shape[0], -1) for f in feats]
         return feats
 
-    def _explain_pool_error(self, batch: Batch, feats: List[torch.Tensor], error: RuntimeError) -> None:
+    def _explain_pool_error(self, batch: Batch, feats: List[torch.Tensor]) -> None:
         """A pool op that does not fit its layer's map (VISSL's maps are sized for 224x224 crops:
         a 6x6 kernel on a res5 of 2x2 when the images are 64x64) becomes a UserError naming the
-        map entry, the layer's size and the input's."""
+        map entry, the layer's size and the input's. Any other error is left for the caller to
+        re-raise."""
         for idx, (layer, op, feat) in enumerate(zip(self.feat_layer_names, self.feat_pool_ops, feats)):
             try:
                 with torch.no_grad():
@@ -354,7 +355,6 @@ class SSLModel(nn.Module):
                     f"{layer!r} of {list(feat.shape[1:])} (input images {image}): {reason}; use a pool op that fits "
                     f"that size (e.g. AdaptiveAvgPool2d with the output size you want), or larger images"
                 ) from None
-        del error  # not a pool op's error: the caller re-raises it
 
     def forward(self, batch: Batch) -> List[torch.Tensor]:
         """Model outputs as a list: one tensor in training (or the list a head returns, e.g. swav_head's

@@ -45,7 +45,7 @@ def done_before_resume(task: Any) -> Callable[[Dict[str, Any]], bool]:
     steps = getattr(task, "local_iteration_num", 0) if steps is None else steps
     point = getattr(task, "resume_point", None)
     here: Optional[Position] = (int(point[0]), 0 if point[1] else 1) if point is not None else None
-    complete = bool(point[2]) if point is not None else not in_phase
+    complete = point is not None and bool(point[2])  # read only where ``here`` is set
 
     def within_steps(record: Dict[str, Any]) -> bool:
         try:

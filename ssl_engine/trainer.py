@@ -105,7 +105,9 @@ class SelfSupervisionTrainer:
         """
         import torch
 
-        from ssl_engine.engines.extract_features import extract_split, extraction_splits, load_weights, log_summary, output_dir
+        from ssl_engine.engines.extract_features import (
+            build_extraction_datasets, extract_split, extraction_splits, load_weights, log_summary, output_dir,
+        )
 
         task = self.task
         task.checkpoint_folder = self.checkpoint_folder
@@ -119,8 +121,10 @@ class SelfSupervisionTrainer:
             from ssl_engine.checkpoint import remove_stale_temp_files
 
             remove_stale_temp_files(folder)  # shard files a killed extraction left half written
+        splits = extraction_splits(self.cfg)
         try:
-            summaries = [extract_split(task, split, folder) for split in extraction_splits(self.cfg)]
+            build_extraction_datasets(task, splits)
+            summaries = [extract_split(task, split, folder) for split in splits]
         finally:
             task.close_data_iterators()
         log_summary(summaries, source)

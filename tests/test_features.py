@@ -535,3 +535,36 @@ def test_extraction_on_gpu_matches_cpu(pretrained: Path, one_rank, tmp_path: Pat
     b = load_features(tmp_path, "test", "res5avg")["features"]
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_every_split_is_built_before_the_first_is_extracted(tmp_path: Path, monkeypatch) -> None:
+    # a data set that fails to build on a rank (an unreadable list on that node, say) must stop the
+    # extraction before any split's shards or status are written, not after hours of TRAIN
+    import ssl_engine.data as data
+    from ssl_engine.config import compose
+    from ssl_engine.distributed import RankInfo
+    from ssl_engine.engines.extract_features import extract_features_engine
+    from ssl_engine.engines.run import load_builtin_parts
+
+    load_builtin_parts()
+    cfg = compose(["config=quick/simclr_synthetic", "engine_name=extract_features",
+                   f"config.CHECKPOINT.DIR={tmp_path}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN,TEST]",
+                   *[f"config.DATA.{s}.{k}" for s in ("TRAIN", "TEST") for k in (
+                       "DATA_SOURCES=[synthetic]", "LABEL_SOURCES=[synthetic]", "DATA_LIMIT=8",
+                       "BATCHSIZE_PER_REPLICA=4", "COLLATE_FUNCTION=default_collate", "TRANSFORMS=[{name: ToTensor}]")]],
+                  warn_unused=False)
+    build = data.build_dataset
+
+    def unreadable_test_split(cfg, split, *args, **kwargs):
+        if split == "TEST":
+            raise UserError("config.DATA.TEST.DATA_PATHS[0]: cannot read the file list on this node")
+        return build(cfg, split, *args, **kwargs)
+
+    monkeypatch.setattr(data, "build_dataset", unreadable_test_split)
+    with pytest.raises(UserError, match="cannot read the file list"):
+        extract_features_engine(cfg, RankInfo())
+    assert available(tmp_path) == [] and not list(tmp_path.glob("extraction_*.json"))
+    monkeypatch.setattr(data, "build_dataset", build)
+    extract_features_engine(cfg, RankInfo())
+    assert available(tmp_path) == [("test", "heads"), ("train", "heads")]
+    assert [extraction_status(tmp_path, s)["samples"] for s in ("TRAIN", "TEST")] == [8, 8]

@@ -148,12 +148,23 @@ def _num_unique(inds: np.ndarray) -> int:
     return len(s) - int(np.count_nonzero(s[1:] == s[:-1]))
 
 
+def build_extraction_datasets(task: Any, splits: List[str]) -> None:
+    """Build the data set of every split to extract, before the first is extracted: the time a
+    split's summary reports is its extraction, and a data set that fails to build on a rank
+    stops the run before any shard is written."""
+    from ssl_engine.data import build_dataset
+
+    for split in splits:
+        if split not in task.datasets:
+            task.datasets[split] = build_dataset(task.config, split)
+            log.info("%s data: %d samples", split.lower(), len(task.datasets[split]))
+
+
 def extraction_loader(task: Any, split: str) -> Any:
     """A loader over ``split`` in dataset order, each sample on exactly one rank (no padding)."""
-    from ssl_engine.data import build_dataloader, build_dataset
+    from ssl_engine.data import build_dataloader
 
-    if split not in task.datasets:
-        task.datasets[split] = build_dataset(task.config, split)
+    build_extraction_datasets(task, [split])
     return build_dataloader(
         task.datasets[split], task.config, split, task.rank, task.world_size, task.config.MACHINE.DEVICE,
         pad=False, shuffle=False,

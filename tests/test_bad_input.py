@@ -177,6 +177,10 @@ ROWS: List[Row] = [
                                     "config.DATA.TEST.DATA_PATHS=[{fx}/empty]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]: folder '{fx}/empty' contains no images",
        "; and config.DATA.TEST.DATA_PATHS[0]: folder '{fx}/empty' contains no images"), tool=False),
+    R("labels-all-ignored", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
+                             "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
+                             "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_unlabelled.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("config.DATA.TRAIN: every label", "is -1", "ignore_index", "give the samples their class labels"), tool=False),
     R("labels-fractional", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                             "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                             "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_half.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
@@ -348,6 +352,7 @@ def make_fixture_files(fx: Path) -> None:
     np.save(fx / "labels5.npy", np.arange(5))
     (fx / "empty.npy").write_bytes(b"")
     (fx / "latin1.txt").write_bytes(b"/nowhere/caf\xe9.png\n")
+    np.save(fx / "labels_unlabelled.npy", np.full(6, -1))  # VISSL's label of an unlabelled image, on every one
     np.save(fx / "labels_half.npy", np.array([0.0, 0.5, 1.0, 1.0, 0.0, 1.0]))
     np.save(fx / "labels_float100.npy", np.array([0.0, 1.0, 100.0, 1.0, 0.0, 1.0]))
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")

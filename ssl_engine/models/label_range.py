@@ -82,6 +82,22 @@ def max_label(dataset: Any, ignore_index: Optional[int] = None) -> Optional[int]
     return top if set_top is None else max(set_top, top if top is not None else set_top)
 
 
+def every_label_ignored(dataset: Any, ignore_index: Optional[int]) -> bool:
+    """True when ``dataset`` has integer labels and every one of them (of some label source) is
+    ``ignore_index``: a loss that leaves those out averages over no sample and gives NaN."""
+    if ignore_index is None or getattr(dataset, "label_type", "standard") != "standard":
+        return False
+    transforms = getattr(dataset, "transforms", None)
+    if hasattr(transforms, "label_setters") and transforms.label_setters()[0] is not None:
+        return False  # a transform (ImgRotatePil) gives entries their labels
+    get = getattr(dataset, "get_labels", None)
+    for j in range(len(getattr(dataset, "label_arrays", [])) if get is not None else 0):
+        labels = np.asarray(get(j))
+        if labels.ndim == 1 and labels.dtype.kind in "iu" and labels.size and bool((labels == ignore_index).all()):
+            return True
+    return False
+
+
 def label_scorers(cfg: Any, split: str, loss: Any, meters: Sequence[Any],
                   flag: str = "class_index_targets") -> List[Any]:
     """The loss and meters that score ``split``'s labels (those whose class attribute ``flag`` is
@@ -100,6 +116,14 @@ def check_dataset_labels(cfg: Any, datasets: Dict[str, Any], model: Any, loss: A
     largest label and the split. Heads whose output size is not known from the config are
     left to the run (see :func:`explain_label_error`).
     """
+    for split, dataset in datasets.items():
+        ignored = getattr(loss, "ignore_index", None) if getattr(loss, "class_index_targets", False) else None
+        if every_label_ignored(dataset, ignored):
+            raise ConfigError(
+                f"config.DATA.{split}: every label ({_label_origin(cfg, split)}) is {ignored}, the label "
+                f"config.LOSS.name={cfg.LOSS.name} ignores (its ignore_index): its loss would average over no "
+                f"sample (NaN); give the samples their class labels, or use a loss that needs none"
+            )
     output_heads = getattr(model, "output_heads", None)
     heads = [(where, size) for where, size in (output_heads() if callable(output_heads) else []) if size is not None]
     if not heads:

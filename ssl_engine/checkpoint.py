@@ -623,6 +623,14 @@ def damaged_record(path: Path) -> Optional[str]:
     return None if bad is None else f"is corrupt: the stored checksum of its record {bad} does not match its bytes"
 
 
+def check_intact(path: Path, key: str) -> None:
+    """A CheckpointError naming config key ``key`` when the file it names fails its checksums
+    (see :func:`damaged_record`): a file a user names is never loaded as other weights."""
+    damaged = damaged_record(path)
+    if damaged:
+        raise CheckpointError(f"{key}: {path} {damaged}; copy it again, or name another checkpoint")
+
+
 def is_engine_checkpoint(data: Dict[str, Any]) -> bool:
     state = data.get("classy_state_dict")
     return isinstance(state, dict) and "phase_idx" in data and isinstance(state.get("base_model"), dict)
@@ -755,6 +763,7 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
     weights_cfg = model_cfg.WEIGHTS_INIT
     path = named_file(weights_cfg.PARAMS_FILE, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
     data = load_checkpoint(path)
+    check_intact(path, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
     weights, layout_mapped = _read_state_dict(data, weights_cfg.STATE_DICT_KEY_NAME, str(path))
     remove, append = weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX
     if layout_mapped and (remove or append):

@@ -326,3 +326,31 @@ def test_a_vissl_fulltune_config_loads_a_pretraining_through_the_tool(tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in learned)
     # the first run's head (a 64-d projection) is not the fine-tuning's (10 classes), left out by EVAL_MODE_ON
     assert "initialised weights from" in r.stdout and "0 unexpected" in r.stdout
+
+
+def test_a_named_checkpoint_whose_bytes_changed_is_one_line_and_never_loaded(tmp_path):
+    """RESUME_FROM and PARAMS_FILE name one file: where its bytes fail the zip's CRC-32 (a damaged
+    disk or copy; torch.load does not notice) the run stops in one line naming the key, exit 2,
+    instead of training on other weights. Auto-resume skips such a file (test above)."""
+    from conftest import run_tool
+
+    small = ["config=quick/simclr_synthetic", "config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.DATA_LIMIT=8",
+             "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DATA.NUM_DATALOADER_WORKERS=0"]
+    r = run_tool([*small, f"config.CHECKPOINT.DIR={tmp_path / 'pre'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    damaged = tmp_path / "copy.torch"
+    raw = bytearray((tmp_path / "pre" / "model_final_checkpoint_phase0.torch").read_bytes())
+    weight = ck.load_checkpoint(tmp_path / "pre" / "model_final_checkpoint_phase0.torch")[
+        "classy_state_dict"]["base_model"]["model"]["trunk"]["_feature_blocks.conv1.weight"]
+    at = raw.find(weight.flatten()[:16].numpy().tobytes())
+    assert at > 0
+    raw[at:at + 4] = torch.tensor([123.0]).numpy().tobytes()
+    damaged.write_bytes(bytes(raw))
+    for key, extra in (("config.CHECKPOINT.RESUME_FROM", ["config.OPTIMIZER.num_epochs=2"]),
+                       ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE", []),
+                       ("config.CHECKPOINT.RESUME_FROM", ["engine_name=extract_features", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]"])):
+        out = tmp_path / f"{key.rsplit('.', 1)[1]}_{len(extra)}"
+        r = run_tool([*small, *extra, f"config.CHECKPOINT.DIR={out}", f"{key}={damaged}"])
+        assert r.returncode == 2, (key, r.stdout[-2000:], r.stderr[-2000:])
+        assert f"{key}: {damaged} is corrupt: the stored checksum of its record" in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and not list(out.glob("*.torch")) and not list(out.glob("*.npy"))

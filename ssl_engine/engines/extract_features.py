@@ -31,7 +31,7 @@ import torch
 
 from ssl_engine import distributed as du
 from ssl_engine import preemption
-from ssl_engine.checkpoint import load_checkpoint, newest_good_checkpoint, resume_from_file
+from ssl_engine.checkpoint import check_intact, load_checkpoint, newest_good_checkpoint, resume_from_file
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.validate import without_unextracted_splits
 from ssl_engine.distributed import RankInfo
@@ -108,6 +108,8 @@ def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:
         return str(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)
     if checkpoint_path:
         data = load_checkpoint(Path(checkpoint_path))
+        if cfg.CHECKPOINT.RESUME_FROM:  # the folder's newest good checkpoint was checked when it was chosen
+            check_intact(Path(checkpoint_path), "config.CHECKPOINT.RESUME_FROM")
         try:
             state = data["classy_state_dict"]["base_model"]
         except (KeyError, TypeError):

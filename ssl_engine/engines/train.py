@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import (
     atomic_write_text,
+    check_intact,
     final_checkpoint,
     final_phase,
     is_engine_checkpoint,
@@ -32,6 +33,7 @@ def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
     if cfg.CHECKPOINT.RESUME_FROM:
         path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
         data = load_checkpoint(path)
+        check_intact(path, "config.CHECKPOINT.RESUME_FROM")
         if not is_engine_checkpoint(data):
             raise CheckpointError(
                 f"config.CHECKPOINT.RESUME_FROM: {path} is not an ssl_engine checkpoint (no phase_idx / "

@@ -568,3 +568,24 @@ def test_every_split_is_built_before_the_first_is_extracted(tmp_path: Path, monk
     extract_features_engine(cfg, RankInfo())
     assert available(tmp_path) == [("test", "heads"), ("train", "heads")]
     assert [extraction_status(tmp_path, s)["samples"] for s in ("TRAIN", "TEST")] == [8, 8]
+
+
+def test_a_folder_whose_checkpoints_are_all_damaged_is_not_extracted_as_a_random_model(pretrained: Path,
+                                                                                       tmp_path: Path) -> None:
+    # random init is for a folder without checkpoints; a trained run whose files are all damaged
+    # must stop in one line, not write a random model's features marked complete
+    import shutil
+
+    damaged = tmp_path / "run"
+    shutil.copytree(pretrained, damaged, symlinks=True)
+    for p in damaged.glob("model_*.torch"):
+        p.write_bytes(p.read_bytes()[:10000])
+    out = tmp_path / "out"
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={damaged}",
+                 f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TEST]", *DIGITS_SMALL],
+                ok=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err[-1].startswith("error: "), proc.stderr[-3000:]
+    assert f"config.CHECKPOINT.DIR {damaged}: none of its checkpoints can be used (model_final" in err[-1]
+    assert "randomly initialised model (seed" not in proc.stdout + proc.stderr
+    assert not out.exists() or available(out) == []

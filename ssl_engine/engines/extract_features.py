@@ -31,7 +31,7 @@ import torch
 
 from ssl_engine import distributed as du
 from ssl_engine import preemption
-from ssl_engine.checkpoint import check_intact, load_checkpoint, newest_good_checkpoint, resume_from_file
+from ssl_engine.checkpoint import check_intact, list_checkpoints, load_checkpoint, newest_good_checkpoint, resume_from_file
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.validate import without_unextracted_splits
 from ssl_engine.distributed import RankInfo
@@ -91,8 +91,19 @@ def weights_checkpoint(cfg: AttrDict) -> Optional[str]:
         return None
     if cfg.CHECKPOINT.RESUME_FROM:
         return str(resume_from_file(cfg.CHECKPOINT.RESUME_FROM))
-    found = newest_good_checkpoint(Path(str(cfg.CHECKPOINT.DIR)))
-    return str(found[0]) if found else None
+    folder = Path(str(cfg.CHECKPOINT.DIR))
+    found = newest_good_checkpoint(folder)
+    if found:
+        return str(found[0])
+    unusable = [p.name for p in list_checkpoints(folder)]
+    if unusable:  # a trained run whose files are all damaged: never extract a random model in its place
+        shown = ", ".join(unusable[:4]) + (f" and {len(unusable) - 4} more" if len(unusable) > 4 else "")
+        raise CheckpointError(
+            f"config.CHECKPOINT.DIR {folder}: none of its checkpoints can be used ({shown}; the warnings above say "
+            f"why); name the weights to extract with config.CHECKPOINT.RESUME_FROM or "
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE, or use a folder without checkpoints for a randomly initialised model"
+        )
+    return None
 
 
 def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:

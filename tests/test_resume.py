@@ -551,3 +551,29 @@ def test_a_checkpoint_without_phase_data_resumes_as_before(setup, reference, tmp
     out = r.stdout + r.stderr
     assert "resumed from" in out and not re.findall(r"^(?:\[rank \d+\] )?W \d", out, re.M), out[-3000:]
     assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+
+def test_training_on_with_another_optimizer_is_one_line_and_changed_values_are_the_configs(tmp_path):
+    """A checkpoint's optimizer state fits only its own optimizer (sgd has no Adam moments): another
+    OPTIMIZER.name is one line naming the key, exit 2, not a KeyError from torch. Values the
+    config changes (momentum, weight_decay) are the config's after the resume, as in VISSL, and
+    the log says which changed, so that train_config.yaml tells what ran."""
+    import ssl_engine.checkpoint as ck
+
+    base = ["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path}", "config.DATA.TRAIN.DATA_LIMIT=16",
+            "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DATA.NUM_DATALOADER_WORKERS=0",
+            "config.OPTIMIZER.name=sgd", "config.OPTIMIZER.momentum=0.9", "config.OPTIMIZER.weight_decay=0.0001"]
+    r = run_tool([*base, "config.OPTIMIZER.num_epochs=1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    on = [*base, "config.OPTIMIZER.num_epochs=2", "config.CHECKPOINT.OVERWRITE_EXISTING=true"]
+    r = run_tool([*on, "config.OPTIMIZER.name=adam"])
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert err[-1].startswith("error: ") and "config.OPTIMIZER.name gives Adam but the checkpoint holds SGD's state" in err[-1]
+    r = run_tool([*on, "config.OPTIMIZER.momentum=0.5", "config.OPTIMIZER.weight_decay=0.01"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "momentum 0.9 -> 0.5" in r.stdout + r.stderr and "weight_decay 0.0001 -> 0.01" in r.stdout + r.stderr
+    groups = ck.load_checkpoint(tmp_path / "model_final_checkpoint_phase1.torch")[
+        "classy_state_dict"]["optimizer"]["optimizer"]["param_groups"]
+    assert {g["momentum"] for g in groups} == {0.5}
+    assert {g["weight_decay"] for g in groups} - {0.0} == {0.01}

@@ -31,6 +31,9 @@ from ssl_engine.registry import OPTIMIZERS
 logger = logging.getLogger(__name__)
 
 OPT_KEY = "config.OPTIMIZER"
+# param group entries that are not an optimizer's hyperparameters (torch adds such flags over versions)
+_TORCH_GROUP_FLAGS = {"params", "foreach", "differentiable", "fused", "maximize", "capturable", "initial_lr",
+                      "decoupled_weight_decay"}
 
 # Modules whose parameters count as normalization parameters for ``regularize_bn``.
 NORM_TYPES = (
@@ -269,6 +272,7 @@ class SSLOptimizer:
         """Torch optimizer state (moments, hyperparameters) and the schedule position."""
         return {
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
             "where": self._where,
             "update_interval": self.update_interval,
         }
@@ -282,10 +286,44 @@ class SSLOptimizer:
                 f"{len(self.optimizer.param_groups)} ({', '.join(self.group_names)}); resume with the "
                 f"checkpoint's {OPT_KEY}.head_optimizer_params and trainable parameters"
             )
+        saved_groups = state["optimizer"]["param_groups"]
+        self._check_same_kind(saved_groups, state.get("optimizer_class"))
+        # the config's values (momentum, weight_decay, betas, ...) win over the checkpoint's, as they
+        # do in VISSL, whose schedules set every value again at the next step; the scheduled ones
+        # are set below for the checkpoint's position
+        config_values = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        scheduled = {k for params in self.group_params for k in params}
+        changed = set()
+        for group, values, old in zip(self.optimizer.param_groups, config_values, saved_groups):
+            for key, value in values.items():
+                if key not in scheduled and key in old and old[key] != value:
+                    changed.add(f"{key} {old[key]!r} -> {value!r}")
+            group.update(values)
+        if changed:
+            logger.warning("%s differs from the checkpoint's optimizer; the run goes on with the config's values: %s",
+                           OPT_KEY, ", ".join(sorted(changed)))
         where = state.get("where")
         if where is not None:
             self.set_where(where)
+
+    def _check_same_kind(self, saved_groups: List[Mapping[str, Any]], saved_class: Optional[str]) -> None:
+        """A checkpoint of another optimizer (sgd against adam, lars, ...) cannot give this one its
+        state (its moments have other names): a CheckpointError naming the key, not a KeyError."""
+        ours = type(self.optimizer).__name__
+        if saved_class is not None:
+            missing: Set[str] = set()
+        else:  # a checkpoint written before the class was stored: its groups' hyperparameter names say
+            keys = lambda groups: {k for g in groups for k in g if k not in _TORCH_GROUP_FLAGS}  # noqa: E731
+            missing = keys(self.optimizer.param_groups) - keys(saved_groups)
+        if (saved_class is None or saved_class == ours) and not missing:
+            return
+        theirs = f"{saved_class}'s" if saved_class else f"another optimizer's (no {', '.join(sorted(missing))})"
+        raise CheckpointError(
+            f"{OPT_KEY}.name gives {ours} but the checkpoint holds {theirs} state; resume with the optimizer "
+            f"it was trained with, or start a new CHECKPOINT.DIR from its weights "
+            f"(config.MODEL.WEIGHTS_INIT.PARAMS_FILE=<checkpoint>) to change the optimizer"
+        )
 
     # classy_vision naming, used by the task's get_classy_state / set_classy_state
     get_classy_state = state_dict

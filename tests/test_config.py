@@ -881,3 +881,46 @@ def test_a_mapping_where_a_list_belongs_names_the_key(tmp_path, text, override, 
     with pytest.raises(ConfigError) as info:
         compose(args)
     assert must in str(info.value) and "Cannot merge" not in str(info.value), str(info.value)
+
+
+def test_a_leading_tilde_is_the_home_folder_in_every_path_key(tmp_path):
+    """CHECKPOINT.DIR: ~/runs/a in a yaml file is $HOME/runs/a for the whole run (checked, written,
+    resumed), never a folder named '~' in the working directory; on the command line, where hydra's
+    grammar does not take an unquoted ~, the error says how to write it."""
+    import subprocess
+    import sys
+
+    from conftest import TOOL, tool_env
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(textwrap.dedent("""\
+        # @package _global_
+        defaults:
+          - /config/quick/simclr_synthetic
+          - _self_
+        config:
+          CHECKPOINT:
+            DIR: ~/runs/a
+          DATA:
+            TRAIN:
+              DATA_LIMIT: 8
+              BATCHSIZE_PER_REPLICA: 4
+          OPTIMIZER:
+            num_epochs: 1
+        """))
+    env = tool_env({"HOME": str(home)})
+    run = subprocess.run([sys.executable, TOOL, f"config={cfg}"], cwd=str(cwd), env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (home / "runs" / "a" / "model_final_checkpoint_phase0.torch").is_file()
+    assert list(cwd.iterdir()) == []
+    assert compose([f"config={cfg}", "config.MODEL.WEIGHTS_INIT.PARAMS_FILE='~/w.torch'"],
+                   warn_unused=False).MODEL.WEIGHTS_INIT.PARAMS_FILE == str(Path.home() / "w.torch")
+    bad = subprocess.run([sys.executable, TOOL, f"config={cfg}", "config.CHECKPOINT.DIR=~/runs/b"], cwd=str(cwd),
+                         env=env, capture_output=True, text=True, timeout=300)
+    err = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(err) == 1, bad.stderr[-3000:]
+    assert "config.CHECKPOINT.DIR=\"~/runs/b\"" in err[0] and "$HOME" in err[0]

@@ -161,6 +161,12 @@ def _check_override_grammar(item: str) -> None:
         _overrides_parser().parse_override(item)
     except Exception as e:  # hydra raises HydraException; anything else is as much the override's fault
         why = " ".join(str(e).split()) or type(e).__name__
+        key, _, value = item.partition("=")
+        if value.startswith("~"):  # hydra's grammar reads ~ only as the delete prefix of a key
+            raise ConfigError(
+                f"override {item!r} cannot be parsed: hydra does not take a value that starts with ~ unquoted; "
+                f"quote it for hydra inside the shell word ('{key}=\"{value}\"') or write $HOME instead of ~"
+            ) from None
         raise ConfigError(
             f"override {item!r} cannot be parsed ({why}); quote lists and mappings as one shell word, "
             f"e.g. 'config.MODEL.HEAD.PARAMS=[[mlp,{{dims:[512,10]}}]]'"

@@ -8,6 +8,7 @@ for VISSL configs but not acted on: a non-default value logs one warning naming 
 import copy
 import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
@@ -551,6 +552,7 @@ def validate(
     cfg["engine_name"] = merged.get("engine_name", "train")
     check_no_urls(without_unextracted_splits(cfg))
     check_ranges(without_unextracted_splits(cfg))
+    expand_home(cfg)
     from ssl_engine.config.infer import infer_settings
 
     infer_settings(cfg, defaults["config"])
@@ -559,6 +561,25 @@ def validate(
             log.warning("config key %s is accepted for VISSL configs but not acted on by ssl_engine", key)
         warn_unread_dataset_names(cfg, defaults["config"]["DATA"])
     return AttrDict(cfg)
+
+
+def expand_home(cfg: Dict[str, Any]) -> None:
+    """Expand a leading ``~`` in the keys that name files and folders (_PATH_KEYS, DATA_PATHS,
+    LABEL_PATHS), once, when the config is composed: every part of the run, and every rank on
+    any node, then reads the same folder, and none makes a folder named ``~`` where it runs."""
+    def expanded(value: Any) -> Any:
+        if isinstance(value, str) and value.startswith("~"):
+            return os.path.expanduser(value)
+        return [expanded(v) for v in value] if isinstance(value, list) else value
+
+    places = [tuple(dotted.split(".")) for dotted, _ in _PATH_KEYS]
+    places += [("DATA", split, key) for split in ("TRAIN", "TEST") for key in ("DATA_PATHS", "LABEL_PATHS")]
+    for keys in places:
+        node = cfg
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and keys[-1] in node:
+            node[keys[-1]] = expanded(node[keys[-1]])
 
 
 def warn_unread_dataset_names(cfg: Dict[str, Any], default_data: Dict[str, Any]) -> None:

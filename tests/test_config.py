@@ -924,3 +924,17 @@ def test_a_leading_tilde_is_the_home_folder_in_every_path_key(tmp_path):
     err = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(err) == 1, bad.stderr[-3000:]
     assert "config.CHECKPOINT.DIR=\"~/runs/b\"" in err[0] and "$HOME" in err[0]
+
+
+def test_a_yaml_file_saved_with_a_byte_order_mark(tmp_path):
+    """Windows editors may save UTF-8 with a BOM: the file config= names is read without it; a file
+    hydra reads itself (from a config folder) is one line that says what to do, not 'lacks the header'."""
+    bom = b"\xef\xbb\xbf"
+    body = b"# @package _global_\nconfig:\n  OPTIMIZER:\n    num_epochs: 3\n"
+    own = tmp_path / "own.yaml"
+    own.write_bytes(bom + body)
+    assert compose([f"config={own}"], warn_unused=False).OPTIMIZER.num_epochs == 3
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "shared.yaml").write_bytes(bom + body)
+    with pytest.raises(ConfigError, match=r"shared.yaml starts with a UTF-8 byte order mark .* without BOM"):
+        compose([f"config={tmp_path / 'config' / 'shared'}"], warn_unused=False)

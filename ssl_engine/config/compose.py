@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -243,14 +242,23 @@ _TOP_LEVEL = ("engine_name", "config", "defaults", "hydra", "extract_features")
 LEGACY_EXTRACT_KEY = "extract_features"
 
 
-def _check_yaml_file(path: Path, experiment: bool = False) -> None:
+_BOM = b"\xef\xbb\xbf"
+
+
+def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = False) -> None:
     """An experiment file must be well-formed yaml holding a mapping, with options under 'config:'.
 
     The file ``config=`` names (``experiment``) must also hold something: options, a
     ``defaults:`` list or an ``engine_name`` (a file that only picks the engine, the options
     coming from the command line, is fine). An empty one would run the bare defaults and fail
     later on a key the file was meant to set, naming neither the file nor the cause.
+    ``bom_removed``: the file is handed to hydra as a copy without its byte order mark.
     """
+    if not bom_removed and _starts_with_bom(path):
+        raise ConfigError(
+            f"config file {path} starts with a UTF-8 byte order mark (as some Windows editors save), which hydra "
+            f"reads as text before '# @package _global_'; save it as UTF-8 without BOM"
+        )
     data = read_yaml_file(path)
     if data is None:
         if experiment:
@@ -314,9 +322,17 @@ def _list_example(key: str, default: List[Any], override: bool = False) -> str:
     return f"a list ({key.rsplit('.', 1)[-1]}: [...] or one '- ' line per entry)"
 
 
+def _starts_with_bom(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(3) == _BOM
+    except OSError:
+        return False  # read_yaml_file says why it cannot be read
+
+
 def _has_global_package_header(path: Path) -> bool:
     """True when the comment block at the top of the file holds '# @package _global_'."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows editors) is not text
         for line in f:
             text = line.strip()
             if not text:
@@ -341,10 +357,11 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
             near = closest(as_path.name, near, n=3)
             hint = f"; nearest in {as_path.parent}: {', '.join(near)}" if near else ""
             raise ConfigError(f"config={value}: no such file{hint}")
-        _check_yaml_file(as_path, experiment=True)
-        # Present the user's file to hydra as an option of the `config` group.
+        _check_yaml_file(as_path, experiment=True, bom_removed=True)
+        # Present the user's file to hydra as an option of the `config` group (without a BOM).
         (tmp / "config").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(as_path, tmp / "config" / f"{_USER_FILE}.yaml")
+        text = as_path.read_bytes()
+        (tmp / "config" / f"{_USER_FILE}.yaml").write_bytes(text[len(_BOM):] if text.startswith(_BOM) else text)
         return _USER_FILE, [tmp], as_path
     name = value[:-5] if value.endswith(".yaml") else value
     for d in config_search_dirs():

@@ -589,3 +589,23 @@ def test_a_folder_whose_checkpoints_are_all_damaged_is_not_extracted_as_a_random
     assert f"config.CHECKPOINT.DIR {damaged}: none of its checkpoints can be used (model_final" in err[-1]
     assert "randomly initialised model (seed" not in proc.stdout + proc.stderr
     assert not out.exists() or available(out) == []
+
+
+def test_trunk_features_of_a_training_folder_load_its_trunk_whatever_the_configs_heads(pretrained: Path, one_rank,
+                                                                                     tmp_path: Path) -> None:
+    # EXTRACT_TRUNK_FEATURES_ONLY needs the trunk's weights only: a config whose head differs from
+    # the training's (another projection size) extracts the same features; where the heads' output
+    # is extracted, a head that does not fit is one line naming the file and an extraction's way out
+    out = tmp_path / "trunk"
+    tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}", f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}",
+          "config.EXTRACT_FEATURES.SPLITS=[TEST]", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,64]}]]", *DIGITS_SMALL])
+    np.testing.assert_allclose(load_features(out, "test", "res5avg")["features"],
+                               load_features(one_rank["folder"], "test", "res5avg")["features"], rtol=1e-4, atol=1e-5)
+    proc = tool(["config=quick/simclr_digits", "engine_name=extract_features", f"config.CHECKPOINT.DIR={pretrained}",
+                 f"config.EXTRACT_FEATURES.OUTPUT_DIR={tmp_path / 'heads'}", "config.EXTRACT_FEATURES.SPLITS=[TEST]",
+                 "config.DATA.TEST.TRANSFORMS=[{name: ToTensor}]", "config.DATA.TEST.COLLATE_FUNCTION=default_collate",
+                 "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,64]}]]", *DIGITS_SMALL], ok=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err[-1].startswith("error: "), proc.stderr[-3000:]
+    assert str(pretrained) in err[-1] and "do not fit this model" in err[-1] and "WEIGHTS_INIT.PARAMS_FILE" in err[-1]
+    assert "AUTO_RESUME" not in err[-1]

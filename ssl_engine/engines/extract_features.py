@@ -128,14 +128,13 @@ def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:
                 f"{checkpoint_path} holds no classy_state_dict.base_model; for other files use "
                 f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
             ) from None
+        # trunk features need the trunk's weights only: the config's heads may differ from the training's
+        trunk_only = not getattr(task.base_model, "extracts_head_output", True)
         try:
-            task.load_model_state(state)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(
-                f"the model weights of {checkpoint_path} do not fit the config's MODEL ({first[:200]}); "
-                f"use the MODEL of its training, or config.MODEL.WEIGHTS_INIT.PARAMS_FILE to load what matches"
-            ) from None
+            task.load_model_state(state, trunk_only=trunk_only, fix=(
+                "use the MODEL of its training, or config.MODEL.WEIGHTS_INIT.PARAMS_FILE to load what matches"))
+        except CheckpointError as e:
+            raise CheckpointError(f"{checkpoint_path}: {e}") from None
         return checkpoint_path
     log.warning(
         "no MODEL.WEIGHTS_INIT.PARAMS_FILE and no checkpoint in %s: extracting features of a randomly "

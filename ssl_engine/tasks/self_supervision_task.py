@@ -432,16 +432,17 @@ class SelfSupervisionTask(ClassyTask):
             model = {"trunk": m.state_dict(), "heads": {}}
         return {"model": model, "meta": {}}
 
-    def load_model_state(self, state: Dict[str, Any]) -> None:
-        """Load ``{"model": {"trunk": ..., "heads": ...}}``; CheckpointError when the weights are
-        missing or do not fit this model (a model config changed since they were written)."""
+    def load_model_state(self, state: Dict[str, Any], trunk_only: bool = False, fix: Optional[str] = None) -> None:
+        """Load ``{"model": {"trunk": ..., "heads": ...}}`` (the trunk alone with ``trunk_only``);
+        CheckpointError when the weights are missing or do not fit this model (a model config
+        changed since they were written), ending with ``fix`` (default: a training run's way out)."""
         from ssl_engine.errors import CheckpointError
 
         m = self.base_model
         try:
             weights = state["model"]
             parts = [(m.trunk, weights["trunk"])] if getattr(m, "trunk", None) is not None else [(m, weights["trunk"])]
-            if getattr(m, "trunk", None) is not None and getattr(m, "heads", None) is not None:
+            if not trunk_only and getattr(m, "trunk", None) is not None and getattr(m, "heads", None) is not None:
                 parts.append((m.heads, weights["heads"]))
         except (KeyError, TypeError):
             raise CheckpointError("it holds no model weights (classy_state_dict.base_model.model.trunk / heads)") from None
@@ -450,11 +451,10 @@ class SelfSupervisionTask(ClassyTask):
                 module.load_state_dict(part)
             except (RuntimeError, TypeError, AttributeError) as e:
                 why = " ".join(str(e).split())[:300]
-                raise CheckpointError(
-                    f"its weights do not fit this model ({why}); the model config differs from the run that "
-                    f"wrote it: use a new config.CHECKPOINT.DIR, or set config.CHECKPOINT.AUTO_RESUME=false to start "
-                    f"this folder over (its files are moved into a previous_run.N subfolder)"
-                ) from None
+                raise CheckpointError(f"its weights do not fit this model ({why}); " + (fix or (
+                    "the model config differs from the run that wrote it: use a new config.CHECKPOINT.DIR, or set "
+                    "config.CHECKPOINT.AUTO_RESUME=false to start this folder over (its files are moved into a "
+                    "previous_run.N subfolder)"))) from None
 
     def _hook_keys(self) -> List[Any]:
         """(key, hook) pairs: the class name, with '#k' for the k-th repeat of a class."""

@@ -177,6 +177,12 @@ ROWS: List[Row] = [
                                     "config.DATA.TEST.DATA_PATHS=[{fx}/empty]"),
       ("config.DATA.TRAIN.DATA_PATHS[0]: folder '{fx}/empty' contains no images",
        "; and config.DATA.TEST.DATA_PATHS[0]: folder '{fx}/empty' contains no images"), tool=False),
+    R("best-metric-typo", ("config.TEST_MODEL=true", "config.DATA.TEST.DATA_LIMIT=8",
+                           "config.HOOKS.BEST_CHECKPOINT.METRIC=test_accuracy_list_meter/top_9/0"),
+      ("config.HOOKS.BEST_CHECKPOINT.METRIC='test_accuracy_list_meter/top_9/0' is not a value of the meter "
+       "config.METERS.accuracy_list_meter", "test_accuracy_list_meter/top_1/0"), tool=False),
+    R("best-metric-without-test-phases", ("config.HOOKS.BEST_CHECKPOINT.METRIC=test_loss",),
+      ("config.HOOKS.BEST_CHECKPOINT.METRIC='test_loss' is a test metric, but config.TEST_MODEL=false",), tool=False),
     R("labels-all-ignored", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                              "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                              "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_unlabelled.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),

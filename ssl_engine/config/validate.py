@@ -926,6 +926,10 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
     meters = _checked("the meters", build_meters, build_cfg.METERS)
     if cfg.engine_name == "train":
         check_labels_given(build_cfg, splits, loss, meters or [])
+        if build_cfg.HOOKS.BEST_CHECKPOINT.METRIC:
+            from ssl_engine.hooks.best_checkpoint import check_metric_before_launch
+
+            check_metric_before_launch(build_cfg, meters)
     if model is None:
         return
     check_model = getattr(loss, "check_model", None)

@@ -47,6 +47,36 @@ def find_metric(record: Dict[str, Any], name: str) -> Optional[float]:
     return under[0] if len(under) == 1 else None
 
 
+def check_metric_before_launch(cfg: Any, meters: Any) -> None:
+    """HOOKS.BEST_CHECKPOINT.METRIC checked against what the phases will record, so that a typo
+    stops the run before its first phase, not after it: a test_ metric needs test phases, and a
+    metric under a configured meter's name must be one of that meter's values (a train_ one also
+    needs METERS.enable_training_meter). Metrics other hooks add (EMA meters, ...) are left to
+    the run."""
+    metric = str(cfg.HOOKS.BEST_CHECKPOINT.METRIC or "")
+    phase_type = metric.split("_", 1)[0]
+    if phase_type not in ("train", "test"):
+        return  # the hook's own check says what a name must look like
+    if phase_type == "test" and not cfg.TEST_MODEL:
+        raise UserError(f"{KEY}.METRIC={metric!r} is a test metric, but config.TEST_MODEL=false: there is no test "
+                        f"phase to record it; set config.TEST_MODEL=true or name a train_ metric")
+    for meter in meters or []:
+        prefix = f"{phase_type}_{meter.name}"
+        if metric.replace(".", "/") != prefix and not metric.replace(".", "/").startswith(prefix + "/"):
+            continue
+        if phase_type == "train" and not cfg.METERS.enable_training_meter:
+            raise UserError(f"{KEY}.METRIC={metric!r} needs the meter in train phases: set "
+                            f"config.METERS.enable_training_meter=true, or name a test_ metric")
+        try:
+            record = {prefix: meter.value}
+        except Exception:  # noqa: BLE001 - a meter that cannot give a value before any update: the run checks
+            return
+        if find_metric(record, metric) is None:
+            keys = list(flatten_metrics(record))
+            raise UserError(f"{KEY}.METRIC={metric!r} is not a value of the meter config.METERS.{meter.name}"
+                            f"{did_you_mean(metric, keys)}; its values: {', '.join(keys)}")
+
+
 @HOOKS.register("BestCheckpointer")
 class BestCheckpointer(SSLHook):
     """Writes model_best.torch when the phase's metric beats the best so far."""

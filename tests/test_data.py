@@ -942,3 +942,34 @@ def test_stop_workers_ends_even_a_stuck_worker_that_ignores_sigterm() -> None:
     workers = list(it._workers)
     stop_workers(it)
     assert workers and not any(w.is_alive() for w in workers)
+
+
+def test_test_class_folders_are_numbered_as_the_training_folders(tmp_path, caplog):
+    """disk_folder numbers each folder's sorted classes on its own: a TEST folder without the
+    training's class 'b' would call 'c' label 1, which the model learned as 'b'. TEST classes are
+    numbered as TRAIN's instead; a TEST class that TRAIN lacks is one error naming both folders."""
+    from ssl_engine.config import compose
+    from ssl_engine.data import build_dataset
+
+    def folder(name, classes):
+        for c in classes:
+            (tmp_path / name / c).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / name / c / f"{i}.png")
+        return tmp_path / name
+
+    train, test, other = folder("tr", "abc"), folder("te", "ac"), folder("te2", "ad")
+
+    def cfg(test_folder):
+        return compose(["config=quick/supervised_digits", "config.TEST_MODEL=true",
+                        *[f"config.DATA.{s}.{k}" for s, p in (("TRAIN", train), ("TEST", test_folder)) for k in (
+                            "DATA_SOURCES=[disk_folder]", "LABEL_SOURCES=[disk_folder]", f"DATA_PATHS=[{p}]")]],
+                       warn_unused=False)
+
+    with caplog.at_level(logging.INFO):
+        labels = build_dataset(cfg(test), "TEST").get_labels(0)
+    assert list(labels) == [0, 0, 2, 2]
+    assert "numbered as the 3 of config.DATA.TRAIN.DATA_PATHS[0]" in caplog.text and "no test images of: b" in caplog.text
+    assert list(build_dataset(cfg(train), "TEST").get_labels(0)) == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(UserError, match=r"class folder\(s\) 'd' of .*te2' are not classes of config.DATA.TRAIN.DATA_PATHS\[0\]"):
+        build_dataset(cfg(other), "TEST")

@@ -13,6 +13,7 @@ are left exactly as they were.
 """
 
 import contextlib
+import os
 import logging
 import random
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
@@ -438,6 +439,8 @@ def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: Li
                 raise UserError(f"{where}: data source {name!r} provides no labels; use a source that has labels")
             arr = np.asarray(src.labels())
             origin = f"{where} ({name}{', ' + repr(lpath) if lpath else ''})"
+            if name == "disk_folder" and split == "TEST" and getattr(src, "classes", None) is not None:
+                arr = _number_as_training(cfg, j, list(src.classes), arr, getattr(src, "root", lpath))
         if len(arr) != n:
             raise UserError(
                 f"{origin} has {len(arr)} labels but the {split} data ({data_key(split, 'DATA_PATHS')}) has "
@@ -445,6 +448,39 @@ def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: Li
             )
         arrays.append(arr)
     return arrays
+
+
+def _number_as_training(cfg: Any, j: int, classes: List[str], labels: np.ndarray, folder: str) -> np.ndarray:
+    """TEST labels of class folders numbered as the TRAIN folder numbers its classes.
+
+    disk_folder numbers the sorted class folders of each folder on its own: a TEST folder
+    without one of the training's classes would give every later class another label than the
+    model learned for it. Where TRAIN's labels come from class folders too, TEST's classes are
+    looked up in TRAIN's list; a TEST class that TRAIN does not have is a UserError.
+    """
+    train = (cfg.get("DATA") or {}).get("TRAIN") or {}
+    train_labels = list(train.get("LABEL_SOURCES") or [])
+    if j >= len(train_labels) or train_labels[j] != "disk_folder":
+        return labels
+    paths = normalize_paths(train.get("LABEL_PATHS"), "TRAIN", "LABEL_PATHS")
+    train_folder = source_path(paths, j) or source_path(normalize_paths(train.get("DATA_PATHS"), "TRAIN", "DATA_PATHS"), j)
+    if not train_folder or not os.path.isdir(train_folder):
+        return labels
+    reference = sorted(e.name for e in os.scandir(train_folder) if e.is_dir())
+    if reference == classes:
+        return labels
+    unknown = [c for c in classes if c not in reference]
+    if unknown:
+        shown = ", ".join(repr(c) for c in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise UserError(
+            f"{data_key('TEST', 'DATA_PATHS')}[{j}]: class folder(s) {shown} of {folder!r} are not classes of "
+            f"{data_key('TRAIN', 'DATA_PATHS')}[{j}] ({train_folder!r}), whose class folders number the labels the "
+            f"model learns; give the test folder the training's class folders only"
+        )
+    logger.info("%s[%d]: its %d class folders are numbered as the %d of %s[%d] (no test images of: %s)",
+                data_key("TEST", "DATA_PATHS"), j, len(classes), len(reference), data_key("TRAIN", "DATA_PATHS"), j,
+                ", ".join(c for c in reference if c not in classes))
+    return np.asarray([reference.index(c) for c in classes], dtype=np.int64)[labels]
 
 
 def _label_source(cfg: Any, split: str, j: int, name: str, lpath: str, names: List[str], data_paths: List[str]) -> Any:

@@ -938,3 +938,16 @@ def test_a_yaml_file_saved_with_a_byte_order_mark(tmp_path):
     (tmp_path / "config" / "shared.yaml").write_bytes(bom + body)
     with pytest.raises(ConfigError, match=r"shared.yaml starts with a UTF-8 byte order mark .* without BOM"):
         compose([f"config={tmp_path / 'config' / 'shared'}"], warn_unused=False)
+
+
+def test_an_override_into_a_section_a_yaml_file_set_to_a_value_names_that_value(tmp_path):
+    # hydra calls it an unknown key whose closest key is itself; the cause is the file's OPTIMIZER: 5
+    path = tmp_path / "scalar.yaml"
+    path.write_text("# @package _global_\ndefaults:\n  - /config/quick/simclr_synthetic\n  - _self_\nconfig:\n"
+                    "  OPTIMIZER: 5\n")
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={path}", "config.OPTIMIZER.num_epochs=1"], warn_unused=False)
+    assert str(e.value).startswith(f"config.OPTIMIZER=5 has the wrong type: expected mapping, got int (in {path})")
+    assert "config.OPTIMIZER.num_epochs on the command line" in str(e.value)
+    with pytest.raises(ConfigError, match=r"unknown config key config.OPTIMIZER.num_epoch \(closest"):
+        compose(["config=quick/simclr_synthetic", "config.OPTIMIZER.num_epoch=1"], warn_unused=False)

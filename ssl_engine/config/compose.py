@@ -577,12 +577,43 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             added_keys += declared_added_keys(experiment_file)
             hydra_overrides.insert(0, f"config={option}")
             user_file = experiment.strip() if option == _USER_FILE else None
-        root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs(), user_file)
+        try:
+            root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs(), user_file)
+        except ConfigError as e:
+            if command_line and str(e).startswith("unknown config key"):
+                _explain_override_into_a_value(hydra_overrides, command_line, extra_dirs, user_file)
+            raise
     root.pop("hydra", None)
     _read_legacy_extract_switch(root, engine_on_command_line="engine_name" in command_line)
     if not isinstance(root.get("config"), dict):
         raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
     return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=command_line)
+
+
+def _explain_override_into_a_value(hydra_overrides: List[str], command_line: List[str], extra_dirs: List[Path],
+                                   user_file: Optional[str]) -> None:
+    """hydra calls an override into a section that a yaml file set to a plain value (``OPTIMIZER: 5``
+    with ``config.OPTIMIZER.num_epochs=1``) an unknown key. Compose the files alone and, where such
+    a value is on the override's path, raise the line that names it; return otherwise."""
+    files = [o for o in hydra_overrides if o.startswith(("config=", "+config/"))]
+    try:
+        base = _hydra_compose(files, extra_dirs + config_search_dirs(), user_file)
+    except ConfigError:
+        return
+    for key in command_line:
+        node: Any = base
+        parts = key.lstrip("+~").split(".")
+        for depth, part in enumerate(parts[:-1]):
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is not None and not isinstance(node, dict):
+                where = ".".join(parts[:depth + 1])
+                raise ConfigError(
+                    f"{where}={node!r} has the wrong type: expected mapping, got {type(node).__name__} "
+                    f"({'in ' + user_file if user_file else 'in a config file'}), so {key} on the command line has "
+                    f"no section to go into; make {where} a section of options"
+                )
+            if node is None:
+                break
 
 
 def _read_legacy_extract_switch(root: Dict[str, Any], engine_on_command_line: bool) -> None:

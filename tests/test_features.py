@@ -368,6 +368,11 @@ def test_knn_tool_reports_a_bad_features_path_in_one_line(tmp_path: Path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path) in err[0]
+    code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path / 'gone'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"error: config.NEAREST_NEIGHBOR.FEATURES.PATH: {tmp_path / 'gone'} does not exist; name "
+                                 f"the folder the extract_features engine wrote (its EXTRACT_FEATURES.OUTPUT_DIR), or "
+                                 f"leave it empty to extract first"]
 
 
 def test_weights_init_file_gives_the_checkpoint_folders_features(pretrained: Path, one_rank, tmp_path: Path) -> None:

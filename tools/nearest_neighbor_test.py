@@ -72,6 +72,12 @@ def run(cfg: Any, node_id: int) -> int:
     from ssl_engine.engines.extract_features import output_dir
 
     folder = Path(str(cfg.NEAREST_NEIGHBOR.FEATURES.PATH)).expanduser()
+    if cfg.NEAREST_NEIGHBOR.FEATURES.PATH and not folder.is_dir():
+        from ssl_engine.errors import UserError
+
+        raise UserError(f"config.NEAREST_NEIGHBOR.FEATURES.PATH: {folder} "
+                        f"{'is not a folder' if folder.exists() else 'does not exist'}; name the folder the "
+                        f"extract_features engine wrote (its EXTRACT_FEATURES.OUTPUT_DIR), or leave it empty to extract first")
     if not cfg.NEAREST_NEIGHBOR.FEATURES.PATH:
         code = extract(cfg, node_id)
         if code != 0:

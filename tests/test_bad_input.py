@@ -505,14 +505,26 @@ def test_a_label_beyond_a_heads_classes_found_by_the_run_is_one_line(tmp_path):
 
 def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp_path, capsys):
     """33 samples in batches of 16 leave a last batch of 1, which BatchNorm cannot train on:
-    one line with the arithmetic and DROP_LAST, exit 2 (was a ValueError traceback)."""
+    one line with the arithmetic and DROP_LAST, exit 2 (was a ValueError traceback). A head's
+    BatchNorm1d makes it certain before launch (no epoch is spent first); a BatchNorm2d on a 1x1
+    map (resnet18's res5 on 32x32 digits) is found at the step that fails."""
     proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.DATA.TRAIN.DATA_LIMIT=33",
                             "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,16,10],use_bn:true}]]"])
     err = proc.stderr.strip()
     assert proc.returncode == 2, err[-3000:]
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
     for text in ("config.DATA.TRAIN: 33 samples per rank in batches of 16 leave a last batch of 1",
-                 "BatchNorm", "config.DATA.TRAIN.DROP_LAST=true"):
+                 "the model's BatchNorm1d layer 'heads.0", "config.DATA.TRAIN.DROP_LAST=true"):
+        assert text in err, err
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("*")), "the run started"
+    proc = run_tool(["config=quick/supervised_digits", f"config.CHECKPOINT.DIR={tmp_path / 'resnet'}",
+                     "config.TEST_MODEL=false", "config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.DATA_LIMIT=33",
+                     "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16"])
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
+    for text in ("config.DATA.TRAIN: 33 samples per rank in batches of 16 leave a last batch of 1",
+                 "a BatchNorm layer of the model cannot train on one value per channel (iteration 2)",
+                 "config.DATA.TRAIN.DROP_LAST=true"):
         assert text in err, err
     capsys.readouterr()
     code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'one'}", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1",

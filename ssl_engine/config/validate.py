@@ -845,6 +845,27 @@ def check_labels_given(cfg: AttrDict, splits: List[str], loss: Any, meters: List
             )
 
 
+def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any) -> None:
+    """A last TRAIN batch of one sample on a model with a training BatchNorm1d (a projection
+    head's, an mlp trunk's) fails at that step, after an epoch of work: say so before launch.
+    (BatchNorm2d fails only where the map is 1x1, which the input size decides: left to the run.)"""
+    import torch.nn as nn
+
+    from ssl_engine.train_steps.standard_train_step import one_sample_batch_error
+
+    data = cfg.DATA.TRAIN
+    if data.DROP_LAST:
+        return
+    per_rank = len(loader.sampler)
+    if per_rank % int(data.BATCHSIZE_PER_REPLICA) != 1:
+        return
+    model.train()  # frozen parts stay in eval mode (SSLModel.train), where BatchNorm takes any batch
+    layers = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d) and m.training]
+    if layers:
+        raise one_sample_batch_error(cfg, "TRAIN", per_rank, 1,
+                                     f"the model's BatchNorm1d layer {layers[0]!r} cannot train on one value per channel")
+
+
 def check_custom_hooks(cfg: AttrDict) -> None:
     """HOOKS.CUSTOM params fit their hook's constructor (checked by signature, nothing is built)."""
     import inspect
@@ -932,6 +953,8 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
             check_metric_before_launch(build_cfg, meters)
     if model is None:
         return
+    if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
+        check_no_batch_of_one(build_cfg, model, loaders["TRAIN"])
     check_model = getattr(loss, "check_model", None)
     if cfg.engine_name == "train" and callable(check_model):
         _checked("the loss against the model", check_model, model)  # e.g. swav_loss against the swav_head

@@ -269,19 +269,26 @@ def explain_one_sample_batch(task: Any, inputs: Any, error: ValueError) -> None:
     split = "TRAIN" if task.train else "TEST"
     first = inputs if isinstance(inputs, torch.Tensor) else inputs[0]
     rows = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 1
-    data = task.config.DATA[split]
-    bn = f"a BatchNorm layer of the model cannot train on one value per channel (iteration {task.iteration})"
-    if int(data.BATCHSIZE_PER_REPLICA) == 1:
-        raise UserError(
-            f"config.DATA.{split}.BATCHSIZE_PER_REPLICA=1 gives batches of one sample, and {bn}; raise it"
-        ) from None
     per_rank = len(task.dataloaders[split].sampler) if split in getattr(task, "dataloaders", {}) else None
+    raise one_sample_batch_error(
+        task.config, split, per_rank, rows,
+        f"a BatchNorm layer of the model cannot train on one value per channel (iteration {task.iteration})",
+    ) from None
+
+
+def one_sample_batch_error(cfg: Any, split: str, per_rank: Optional[int], rows: int, bn: str) -> UserError:
+    """The one line for a batch of ``rows`` (one) sample that BatchNorm ``bn`` cannot train on:
+    the arithmetic of ``per_rank`` samples in batches, and the two fixes. Raised at the step
+    that fails, and before launch where the model's BatchNorm1d layers make it certain."""
+    data = cfg.DATA[split]
+    if int(data.BATCHSIZE_PER_REPLICA) == 1:
+        return UserError(f"config.DATA.{split}.BATCHSIZE_PER_REPLICA=1 gives batches of one sample, and {bn}; raise it")
     where = (f"{per_rank} samples per rank in batches of {data.BATCHSIZE_PER_REPLICA} leave a last batch of "
              f"{rows}" if per_rank is not None else f"a batch of {rows} sample(s)")
-    raise UserError(
+    return UserError(
         f"config.DATA.{split}: {where}, and {bn}; set config.DATA.{split}.DROP_LAST=true, or change "
         f"BATCHSIZE_PER_REPLICA or the number of samples"
-    ) from None
+    )
 
 
 def _update(task: Any) -> None:

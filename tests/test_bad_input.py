@@ -526,6 +526,12 @@ def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp
                  "a BatchNorm layer of the model cannot train on one value per channel (iteration 2)",
                  "config.DATA.TRAIN.DROP_LAST=true"):
         assert text in err, err
+    # two views of each image (SimCLR): a one-sample batch is two rows, which BatchNorm1d trains on
+    proc = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path / 'views'}",
+                     "config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.DATA_LIMIT=9", "config.DATA.TRAIN.DROP_LAST=false",
+                     "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4",
+                     "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,512,64],use_bn:true}]]"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     capsys.readouterr()
     code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'one'}", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1",
                                    "config.DATA.TRAIN.DATA_LIMIT=4",

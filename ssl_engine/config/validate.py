@@ -856,6 +856,9 @@ def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any) -> None:
     data = cfg.DATA.TRAIN
     if data.DROP_LAST:
         return
+    names = [str(t.get("name", "")) if isinstance(t, dict) else "" for t in data.get("TRANSFORMS") or []]
+    if any("Replicate" in n or "MultiCrop" in n for n in names):
+        return  # several views of each sample reach the layers: a one-sample batch is several rows
     per_rank = len(loader.sampler)
     if per_rank % int(data.BATCHSIZE_PER_REPLICA) != 1:
         return

@@ -182,7 +182,8 @@ ROWS: List[Row] = [
       ("config.HOOKS.BEST_CHECKPOINT.METRIC='test_accuracy_list_meter/top_9/0' is not a value of the meter "
        "config.METERS.accuracy_list_meter", "test_accuracy_list_meter/top_1/0"), tool=False),
     R("best-metric-without-test-phases", ("config.HOOKS.BEST_CHECKPOINT.METRIC=test_loss",),
-      ("config.HOOKS.BEST_CHECKPOINT.METRIC='test_loss' is a test metric, but config.TEST_MODEL=false",), tool=False),
+      ("config.HOOKS.BEST_CHECKPOINT.METRIC='test_loss' is a test metric, but this run has no test phase "
+       "(config.TEST_MODEL=false, config.TEST_ONLY=false)",), tool=False),
     R("labels-all-ignored", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                              "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                              "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_unlabelled.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
@@ -642,3 +643,35 @@ def test_a_url_as_an_output_folder_creates_nothing(tmp_path, capsys, monkeypatch
         assert code == 2 and err == (f"error: {key}: s3://bucket/runs/x is a URL; ssl_engine writes only to local "
                                      f"folders: set {key} to a local folder"), err
         assert list(tmp_path.iterdir()) == []
+
+
+def test_the_batch_of_one_check_leaves_syncbn_across_ranks_alone():
+    """SyncBatchNorm over several ranks normalises their batches together: a last batch of one
+    sample per rank trains there, so the check before launch must not refuse it."""
+    from types import SimpleNamespace
+
+    from ssl_engine.config import compose
+    from ssl_engine.config.validate import check_no_batch_of_one
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    loader = SimpleNamespace(sampler=range(17))  # 17 samples per rank in batches of 16: a last batch of 1
+    base = BASE + ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
+    with pytest.raises(UserError, match="17 samples per rank in batches of 16 leave a last batch of 1"):
+        check_no_batch_of_one(compose(base, warn_unused=False), model, loader, 2)
+    synced = compose(base + ["config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true"], warn_unused=False)
+    check_no_batch_of_one(synced, model, loader, 2)
+    with pytest.raises(UserError):  # one rank: nothing to sync with
+        check_no_batch_of_one(synced, model, loader, 1)
+
+
+def test_the_best_metric_check_reads_the_phases_that_run():
+    # TEST_ONLY runs test phases whatever TEST_MODEL says; no TEST data means no test phase
+    from ssl_engine.config import compose
+    from ssl_engine.hooks.best_checkpoint import check_metric_before_launch
+    from ssl_engine.meters import build_meters
+
+    cfg = compose(BASE + ["config.TEST_ONLY=true", "config.HOOKS.BEST_CHECKPOINT.METRIC=test_accuracy_list_meter/top_1"],
+                  warn_unused=False)
+    check_metric_before_launch(cfg, build_meters(cfg.METERS), ["TEST"])
+    with pytest.raises(UserError, match="this run has no test phase"):
+        check_metric_before_launch(cfg, build_meters(cfg.METERS), ["TRAIN"])

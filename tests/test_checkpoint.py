@@ -354,3 +354,19 @@ def test_a_named_checkpoint_whose_bytes_changed_is_one_line_and_never_loaded(tmp
         assert r.returncode == 2, (key, r.stdout[-2000:], r.stderr[-2000:])
         assert f"{key}: {damaged} is corrupt: the stored checksum of its record" in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr and not list(out.glob("*.torch")) and not list(out.glob("*.npy"))
+
+
+def test_a_file_saved_without_checksums_is_not_called_damaged(tmp_path):
+    """torch.serialization.set_crc32_options(False) writes 0 as every record's CRC-32: such a file
+    (from another tool) has nothing to check and loads, while a changed byte of a file with
+    checksums is found (test above)."""
+    path = tmp_path / "nocrc.torch"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.ones(1000)}, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert ck.damaged_record(path) is None
+    ck.check_intact(path, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
+    torch.save({"w": torch.ones(1000)}, tmp_path / "crc.torch")
+    assert ck.damaged_record(tmp_path / "crc.torch") is None

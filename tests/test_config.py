@@ -934,6 +934,9 @@ def test_a_yaml_file_saved_with_a_byte_order_mark(tmp_path):
     own = tmp_path / "own.yaml"
     own.write_bytes(bom + body)
     assert compose([f"config={own}"], warn_unused=False).OPTIMIZER.num_epochs == 3
+    declared = tmp_path / "declared.yaml"  # its '# added keys:' line is read past the BOM too
+    declared.write_bytes(bom + b"# @package _global_\n# added keys: config.MY_OWN_KEY\nconfig:\n  MY_OWN_KEY: 3\n")
+    assert compose([f"config={declared}"], warn_unused=False).MY_OWN_KEY == 3
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "shared.yaml").write_bytes(bom + body)
     with pytest.raises(ConfigError, match=r"shared.yaml starts with a UTF-8 byte order mark .* without BOM"):

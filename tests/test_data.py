@@ -973,3 +973,9 @@ def test_test_class_folders_are_numbered_as_the_training_folders(tmp_path, caplo
     assert list(build_dataset(cfg(train), "TEST").get_labels(0)) == [0, 0, 1, 1, 2, 2]
     with pytest.raises(UserError, match=r"class folder\(s\) 'd' of .*te2' are not classes of config.DATA.TRAIN.DATA_PATHS\[0\]"):
         build_dataset(cfg(other), "TEST")
+    # an extraction writes each folder's own numbering (retrieval sets have disjoint classes), as VISSL
+    extraction = compose(["config=quick/supervised_digits", "engine_name=extract_features",
+                          *[f"config.DATA.{s}.{k}" for s, p in (("TRAIN", train), ("TEST", other)) for k in (
+                              "DATA_SOURCES=[disk_folder]", "LABEL_SOURCES=[disk_folder]", f"DATA_PATHS=[{p}]")]],
+                         warn_unused=False)
+    assert list(build_dataset(extraction, "TEST").get_labels(0)) == [0, 0, 1, 1]

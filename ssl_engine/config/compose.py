@@ -609,11 +609,26 @@ def _explain_override_into_a_value(hydra_overrides: List[str], command_line: Lis
                 where = ".".join(parts[:depth + 1])
                 raise ConfigError(
                     f"{where}={node!r} has the wrong type: expected mapping, got {type(node).__name__} "
-                    f"({'in ' + user_file if user_file else 'in a config file'}), so {key} on the command line has "
-                    f"no section to go into; make {where} a section of options"
+                    f"(in {_file_setting(user_file, parts[:depth + 1]) or 'the config files'}), so {key} on the "
+                    f"command line has no section to go into; make {where} a section of options"
                 )
             if node is None:
                 break
+
+
+def _file_setting(user_file: Optional[str], parts: List[str]) -> Optional[str]:
+    """``user_file`` when it sets the key ``parts`` itself (not through its defaults list)."""
+    if not user_file:
+        return None
+    try:
+        node: Any = read_yaml_file(Path(user_file).expanduser())
+    except ConfigError:
+        return None
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return user_file
 
 
 def _read_legacy_extract_switch(root: Dict[str, Any], engine_on_command_line: bool) -> None:
@@ -658,7 +673,7 @@ def declared_added_keys(path: Path) -> List[str]:
     """The keys a yaml file declares as its own in its leading comments
     (``# added keys: config.A, config.B``): accepted as if given with '+'."""
     keys: List[str] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for line in f:
             text = line.strip()
             if text and not text.startswith("#"):

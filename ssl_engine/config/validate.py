@@ -845,22 +845,28 @@ def check_labels_given(cfg: AttrDict, splits: List[str], loss: Any, meters: List
             )
 
 
-def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any) -> None:
+def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any, world_size: int) -> None:
     """A last TRAIN batch of one sample on a model with a training BatchNorm1d (a projection
     head's, an mlp trunk's) fails at that step, after an epoch of work: say so before launch.
-    (BatchNorm2d fails only where the map is 1x1, which the input size decides: left to the run.)"""
+    (BatchNorm2d fails only where the map is 1x1, which the input size decides: left to the run;
+    SyncBatchNorm across several ranks normalises over their batches together and takes it.)"""
     import torch.nn as nn
 
+    from ssl_engine.models.model import sync_bn_group_size
     from ssl_engine.train_steps.standard_train_step import one_sample_batch_error
 
     data = cfg.DATA.TRAIN
     if data.DROP_LAST:
         return
+    sync = cfg.MODEL.SYNC_BN_CONFIG
+    if sync.CONVERT_BN_TO_SYNC_BN and world_size > 1 and sync_bn_group_size(
+            int(sync.GROUP_SIZE), world_size, int(cfg.DISTRIBUTED.NUM_PROC_PER_NODE)) > 1:
+        return
     names = [str(t.get("name", "")) if isinstance(t, dict) else "" for t in data.get("TRANSFORMS") or []]
     if any("Replicate" in n or "MultiCrop" in n for n in names):
         return  # several views of each sample reach the layers: a one-sample batch is several rows
-    per_rank = len(loader.sampler)
-    if per_rank % int(data.BATCHSIZE_PER_REPLICA) != 1:
+    per_rank, batch = len(loader.sampler), int(data.BATCHSIZE_PER_REPLICA)
+    if batch != 1 and per_rank % batch != 1:
         return
     model.train()  # frozen parts stay in eval mode (SSLModel.train), where BatchNorm takes any batch
     layers = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d) and m.training]
@@ -953,11 +959,11 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
         if build_cfg.HOOKS.BEST_CHECKPOINT.METRIC:
             from ssl_engine.hooks.best_checkpoint import check_metric_before_launch
 
-            check_metric_before_launch(build_cfg, meters)
+            check_metric_before_launch(build_cfg, meters, splits)
     if model is None:
         return
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
-        check_no_batch_of_one(build_cfg, model, loaders["TRAIN"])
+        check_no_batch_of_one(build_cfg, model, loaders["TRAIN"], world_size)
     check_model = getattr(loss, "check_model", None)
     if cfg.engine_name == "train" and callable(check_model):
         _checked("the loss against the model", check_model, model)  # e.g. swav_loss against the swav_head

@@ -456,30 +456,36 @@ def _number_as_training(cfg: Any, j: int, classes: List[str], labels: np.ndarray
     disk_folder numbers the sorted class folders of each folder on its own: a TEST folder
     without one of the training's classes would give every later class another label than the
     model learned for it. Where TRAIN's labels come from class folders too, TEST's classes are
-    looked up in TRAIN's list; a TEST class that TRAIN does not have is a UserError.
+    looked up in TRAIN's list; a TEST class that TRAIN does not have is a UserError. Training
+    only: an extraction writes each folder's own numbering whichever splits it extracts
+    (retrieval sets have disjoint classes), as VISSL does.
     """
+    if str(cfg.get("engine_name", "train")) != "train":
+        return labels
     train = (cfg.get("DATA") or {}).get("TRAIN") or {}
     train_labels = list(train.get("LABEL_SOURCES") or [])
     if j >= len(train_labels) or train_labels[j] != "disk_folder":
         return labels
     paths = normalize_paths(train.get("LABEL_PATHS"), "TRAIN", "LABEL_PATHS")
+    train_key = f"{data_key('TRAIN', 'LABEL_PATHS' if source_path(paths, j) else 'DATA_PATHS')}[{j}]"
     train_folder = source_path(paths, j) or source_path(normalize_paths(train.get("DATA_PATHS"), "TRAIN", "DATA_PATHS"), j)
     if not train_folder or not os.path.isdir(train_folder):
         return labels
     reference = sorted(e.name for e in os.scandir(train_folder) if e.is_dir())
     if reference == classes:
         return labels
+    test_paths = normalize_paths(((cfg.get("DATA") or {}).get("TEST") or {}).get("LABEL_PATHS"), "TEST", "LABEL_PATHS")
+    test_key = f"{data_key('TEST', 'LABEL_PATHS' if source_path(test_paths, j) else 'DATA_PATHS')}[{j}]"
     unknown = [c for c in classes if c not in reference]
     if unknown:
         shown = ", ".join(repr(c) for c in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise UserError(
-            f"{data_key('TEST', 'DATA_PATHS')}[{j}]: class folder(s) {shown} of {folder!r} are not classes of "
-            f"{data_key('TRAIN', 'DATA_PATHS')}[{j}] ({train_folder!r}), whose class folders number the labels the "
-            f"model learns; give the test folder the training's class folders only"
+            f"{test_key}: class folder(s) {shown} of {folder!r} are not classes of {train_key} ({train_folder!r}), "
+            f"whose class folders number the labels the model learns; give the test folder the training's class "
+            f"folders only"
         )
-    logger.info("%s[%d]: its %d class folders are numbered as the %d of %s[%d] (no test images of: %s)",
-                data_key("TEST", "DATA_PATHS"), j, len(classes), len(reference), data_key("TRAIN", "DATA_PATHS"), j,
-                ", ".join(c for c in reference if c not in classes))
+    logger.info("%s: its %d class folders are numbered as the %d of %s (no test images of: %s)",
+                test_key, len(classes), len(reference), train_key, ", ".join(c for c in reference if c not in classes))
     return np.asarray([reference.index(c) for c in classes], dtype=np.int64)[labels]
 
 

@@ -47,7 +47,7 @@ def find_metric(record: Dict[str, Any], name: str) -> Optional[float]:
     return under[0] if len(under) == 1 else None
 
 
-def check_metric_before_launch(cfg: Any, meters: Any) -> None:
+def check_metric_before_launch(cfg: Any, meters: Any, splits: Any) -> None:
     """HOOKS.BEST_CHECKPOINT.METRIC checked against what the phases will record, so that a typo
     stops the run before its first phase, not after it: a test_ metric needs test phases, and a
     metric under a configured meter's name must be one of that meter's values (a train_ one also
@@ -57,9 +57,12 @@ def check_metric_before_launch(cfg: Any, meters: Any) -> None:
     phase_type = metric.split("_", 1)[0]
     if phase_type not in ("train", "test"):
         return  # the hook's own check says what a name must look like
-    if phase_type == "test" and not cfg.TEST_MODEL:
-        raise UserError(f"{KEY}.METRIC={metric!r} is a test metric, but config.TEST_MODEL=false: there is no test "
-                        f"phase to record it; set config.TEST_MODEL=true or name a train_ metric")
+    if phase_type.upper() not in splits:  # the splits the phases use (TEST_MODEL, TEST_ONLY, TEST data)
+        other = "train_" if phase_type == "test" else "test_"
+        raise UserError(f"{KEY}.METRIC={metric!r} is a {phase_type} metric, but this run has no {phase_type} phase "
+                        f"(config.TEST_MODEL={str(bool(cfg.TEST_MODEL)).lower()}, config.TEST_ONLY={str(bool(cfg.TEST_ONLY)).lower()}) "
+                        f"to record it; "
+                        f"name a {other} metric, or give the run {phase_type} phases")
     for meter in meters or []:
         prefix = f"{phase_type}_{meter.name}"
         if metric.replace(".", "/") != prefix and not metric.replace(".", "/").startswith(prefix + "/"):

@@ -31,6 +31,8 @@ from ssl_engine.registry import OPTIMIZERS
 logger = logging.getLogger(__name__)
 
 OPT_KEY = "config.OPTIMIZER"
+# optimizers that keep the same per-parameter state (a resume may switch between them)
+_SAME_STATE = {"Adam", "AdamW"}
 # param group entries that are not an optimizer's hyperparameters (torch adds such flags over versions)
 _TORCH_GROUP_FLAGS = {"params", "foreach", "differentiable", "fused", "maximize", "capturable", "initial_lr",
                       "decoupled_weight_decay"}
@@ -316,7 +318,8 @@ class SSLOptimizer:
         else:  # a checkpoint written before the class was stored: its groups' hyperparameter names say
             keys = lambda groups: {k for g in groups for k in g if k not in _TORCH_GROUP_FLAGS}  # noqa: E731
             missing = keys(self.optimizer.param_groups) - keys(saved_groups)
-        if (saved_class is None or saved_class == ours) and not missing:
+        same_state = saved_class is None or saved_class == ours or {saved_class, ours} <= _SAME_STATE
+        if same_state and not missing:
             return
         theirs = f"{saved_class}'s" if saved_class else f"another optimizer's (no {', '.join(sorted(missing))})"
         raise CheckpointError(

@@ -13,8 +13,8 @@ are left exactly as they were.
 """
 
 import contextlib
-import os
 import logging
+import os
 import random
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
@@ -26,6 +26,7 @@ from ssl_engine.data.collators import CollatedBatch
 from ssl_engine.data.sources import (
     UnreadableImageError,
     build_source,
+    class_folders,
     data_key,
     load_filelist_labels,
     normalize_paths,
@@ -471,7 +472,7 @@ def _number_as_training(cfg: Any, j: int, classes: List[str], labels: np.ndarray
     train_folder = source_path(paths, j) or source_path(normalize_paths(train.get("DATA_PATHS"), "TRAIN", "DATA_PATHS"), j)
     if not train_folder or not os.path.isdir(train_folder):
         return labels
-    reference = sorted(e.name for e in os.scandir(train_folder) if e.is_dir())
+    reference = class_folders(train_folder)
     if reference == classes:
         return labels
     test_paths = normalize_paths(((cfg.get("DATA") or {}).get("TEST") or {}).get("LABEL_PATHS"), "TEST", "LABEL_PATHS")

@@ -261,6 +261,12 @@ def _walk_images(top: str, chain: FrozenSet[Tuple[int, int]], skipped: List[str]
     return sorted(found, key=lambda entry: entry[0])
 
 
+def class_folders(path: str) -> List[str]:
+    """The class names of a class-per-subfolder tree: its subfolders, sorted; a class's label id
+    is its position (torchvision's ImageFolder numbering)."""
+    return sorted(e.name for e in os.scandir(path) if e.is_dir())
+
+
 def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) -> Tuple[List[str], np.ndarray, List[str]]:
     """(image paths, labels, class names) of a class-per-subfolder tree, in sorted order.
 
@@ -271,7 +277,7 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
     """
     _check_dir(path, split, source_index)
     key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
-    classes = sorted(e.name for e in os.scandir(path) if e.is_dir())
+    classes = class_folders(path)
     root_chain = frozenset([_folder_id(path)])
     skipped: List[str] = []
     paths: List[str] = []

@@ -59,13 +59,13 @@ def check_metric_before_launch(cfg: Any, meters: Any, splits: Any) -> None:
         return  # the hook's own check says what a name must look like
     if phase_type.upper() not in splits:  # the splits the phases use (TEST_MODEL, TEST_ONLY, TEST data)
         other = "train_" if phase_type == "test" else "test_"
+        flags = ", ".join(f"config.{k}={str(bool(cfg[k])).lower()}" for k in ("TEST_MODEL", "TEST_ONLY"))
         raise UserError(f"{KEY}.METRIC={metric!r} is a {phase_type} metric, but this run has no {phase_type} phase "
-                        f"(config.TEST_MODEL={str(bool(cfg.TEST_MODEL)).lower()}, config.TEST_ONLY={str(bool(cfg.TEST_ONLY)).lower()}) "
-                        f"to record it; "
-                        f"name a {other} metric, or give the run {phase_type} phases")
+                        f"({flags}) to record it; name a {other} metric, or give the run {phase_type} phases")
+    slashed = metric.replace(".", "/")
     for meter in meters or []:
         prefix = f"{phase_type}_{meter.name}"
-        if metric.replace(".", "/") != prefix and not metric.replace(".", "/").startswith(prefix + "/"):
+        if slashed != prefix and not slashed.startswith(prefix + "/"):
             continue
         if phase_type == "train" and not cfg.METERS.enable_training_meter:
             raise UserError(f"{KEY}.METRIC={metric!r} needs the meter in train phases: set "

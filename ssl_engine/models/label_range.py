@@ -66,20 +66,24 @@ def max_label(dataset: Any, ignore_index: Optional[int] = None) -> Optional[int]
     set_top, all_set = transforms.label_setters() if hasattr(transforms, "label_setters") else (None, False)
     if all_set:
         return set_top  # a transform (ImgRotatePil) gives every entry its label
-    get = getattr(dataset, "get_labels", None)
-    if get is None:
-        return set_top
-    n_sources = len(getattr(dataset, "label_arrays", [])) if getattr(dataset, "label_type", "standard") == "standard" else 1
     top: Optional[int] = None
-    for j in range(n_sources):
-        labels = np.asarray(get(j))
-        if labels.ndim != 1 or labels.dtype.kind not in "iu":
-            continue
+    for labels in _class_index_labels(dataset):
         if ignore_index is not None:
             labels = labels[labels != ignore_index]
         if labels.size:
             top = int(labels.max()) if top is None else max(top, int(labels.max()))
     return top if set_top is None else max(set_top, top if top is not None else set_top)
+
+
+def _class_index_labels(dataset: Any) -> List[np.ndarray]:
+    """The label array of each of ``dataset``'s label sources that holds class indices (1-D
+    integers); empty when the dataset does not say."""
+    get = getattr(dataset, "get_labels", None)
+    if get is None:
+        return []
+    n_sources = len(getattr(dataset, "label_arrays", [])) if getattr(dataset, "label_type", "standard") == "standard" else 1
+    arrays = [np.asarray(get(j)) for j in range(n_sources)]
+    return [a for a in arrays if a.ndim == 1 and a.dtype.kind in "iu"]
 
 
 def every_label_ignored(dataset: Any, ignore_index: Optional[int]) -> bool:
@@ -90,12 +94,7 @@ def every_label_ignored(dataset: Any, ignore_index: Optional[int]) -> bool:
     transforms = getattr(dataset, "transforms", None)
     if hasattr(transforms, "label_setters") and transforms.label_setters()[0] is not None:
         return False  # a transform (ImgRotatePil) gives entries their labels
-    get = getattr(dataset, "get_labels", None)
-    for j in range(len(getattr(dataset, "label_arrays", [])) if get is not None else 0):
-        labels = np.asarray(get(j))
-        if labels.ndim == 1 and labels.dtype.kind in "iu" and labels.size and bool((labels == ignore_index).all()):
-            return True
-    return False
+    return any(a.size and bool((a == ignore_index).all()) for a in _class_index_labels(dataset))
 
 
 def label_scorers(cfg: Any, split: str, loss: Any, meters: Sequence[Any],

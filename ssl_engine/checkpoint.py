@@ -23,7 +23,7 @@ import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,6 +60,22 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sync_files(paths: Sequence[Path]) -> None:
+    """fdatasync each of ``paths`` that exists, so that lines appended to it without a sync
+    (metrics.json) are durable; an error names the file (OSError with its filename)."""
+    for path in paths:
+        try:
+            fd = os.open(str(path), os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fdatasync(fd)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        finally:
+            os.close(fd)
 
 
 def _in_chain(e: Optional[BaseException], kind: type) -> Optional[BaseException]:
@@ -200,16 +216,21 @@ def _torch_save_to(f: Any, obj: Any, cancel: Optional[threading.Event]) -> None:
 
 
 def save_checkpoint(
-    folder: Path, name: str, checkpoint: Dict[str, Any], keep_last: int = -1, cancel: Optional[threading.Event] = None
+    folder: Path, name: str, checkpoint: Dict[str, Any], keep_last: int = -1, cancel: Optional[threading.Event] = None,
+    sync_first: Sequence[Path] = (),
 ) -> Path:
     """Write ``checkpoint`` as folder/name atomically, point checkpoint.torch at it, prune old ones.
 
+    ``sync_first``: files the checkpoint covers that were appended to without a sync
+    (metrics.json): they are made durable before the checkpoint is, so a checkpoint that
+    survives a crash of the machine never stands for lines that did not.
     ``cancel`` (set by CheckpointWriter.abandon) stops the write before the file is renamed into
     place; once it is, the pointer swap and the pruning are always done.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
+    sync_files(sync_first)
     atomic_write(path, lambda f: _torch_save_to(f, checkpoint, cancel))
     point_to(folder, name)
     if keep_last > 0:
@@ -408,16 +429,18 @@ if hasattr(os, "register_at_fork"):
 
 def save_checkpoint_async(
     folder: Path, name: str, checkpoint: Dict[str, Any], keep_last: int = -1,
-    on_saved: Optional[Callable[[Path], None]] = None,
+    on_saved: Optional[Callable[[Path], None]] = None, sync_first: Sequence[Path] = (),
 ) -> None:
     """``save_checkpoint`` on the background writer: waits for the previous write (raising its
-    error), snapshots ``checkpoint`` now, and returns; the file, the pointer swap and the
-    pruning follow in the background. ``on_saved(path)`` runs there once the file is durable."""
+    error), snapshots ``checkpoint`` now, and returns; the file (after the syncs of
+    ``sync_first``), the pointer swap and the pruning follow in the background.
+    ``on_saved(path)`` runs there once the file is durable."""
     _WRITER.wait()
     snap = snapshot_state(checkpoint)
+    sync_first = list(sync_first)
 
     def job(cancel: threading.Event) -> Path:
-        path = save_checkpoint(folder, name, snap.ready(), keep_last=keep_last, cancel=cancel)
+        path = save_checkpoint(folder, name, snap.ready(), keep_last=keep_last, cancel=cancel, sync_first=sync_first)
         if on_saved is not None:
             on_saved(path)
         return path

@@ -996,6 +996,46 @@ def test_metrics_line_cut_short_is_undone(tmp_path: Path, monkeypatch: pytest.Mo
     assert path.read_text() == '{"phase_idx": 0}\n'
 
 
+@pytest.mark.parametrize("async_write", [True, False])
+def test_each_checkpoint_is_durable_only_after_the_metrics_lines_it_covers(
+    tiny_yaml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_write: bool
+) -> None:
+    """metrics.json is not synced per line; each checkpoint syncs it before its own rename, so a
+    checkpoint that survives a machine crash never stands for a phase whose line did not."""
+    folder = tmp_path / "run"
+    cfg = make_cfg(tiny_yaml, folder, "config.OPTIMIZER.num_epochs=3", f"config.CHECKPOINT.ASYNC_WRITE={async_write}")
+    metrics_path = str(folder / "metrics.json")
+    synced: List[str] = []  # the text of metrics.json at each of its syncs
+    renamed: List[tuple] = []  # (checkpoint name, metrics text synced before its rename)
+    real_fdatasync, real_replace = os.fdatasync, os.replace
+
+    def fdatasync(fd: int) -> None:
+        real_fdatasync(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") == metrics_path:
+            synced.append(Path(metrics_path).read_text())
+
+    def replace(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        if Path(dst).name.startswith("model_"):
+            renamed.append((Path(dst).name, synced[-1] if synced else ""))
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "replace", replace)
+    train(cfg, base_hooks(cfg))
+
+    records = metrics(folder)
+    assert [(r["train_phase_idx"], "train_loss" in r) for r in records] == [
+        (0, True), (0, False), (1, True), (1, False), (2, True), (2, False)]
+    assert [name for name, _ in renamed] == ["model_phase0.torch", "model_phase1.torch", "model_phase2.torch",
+                                             "model_final_checkpoint_phase2.torch"]
+    for name, text in renamed:
+        lines = [json.loads(line) for line in text.splitlines()]
+        covered = 2 if "final" in name else int(name[len("model_phase"):-len(".torch")])
+        assert any(r["train_phase_idx"] == covered and "train_loss" in r for r in lines), (name, text)
+    assert renamed[-1][1] == (folder / "metrics.json").read_text()  # the final checkpoint covers every line
+    assert len(synced) == 5  # one per checkpoint and one at the run's end
+
+
 def test_deferred_sum_reads_the_weighted_sum_before_and_after_folding(monkeypatch):
     from ssl_engine.hooks.deferred_sum import DeferredSum
 

@@ -14,7 +14,7 @@ the run at the next save or at on_end with the same one-line error as a synchron
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -56,6 +56,12 @@ def _log_saved(path: Path) -> None:
     log.info("saved checkpoint %s", path)
 
 
+def files_synced_by_checkpoints(task: Any) -> List[Path]:
+    """The files the task's hooks append to without syncing each line (``synced_by_checkpoints``,
+    e.g. MetricsHook's metrics.json): each checkpoint makes them durable before itself."""
+    return [Path(p) for h in task.hooks for p in getattr(h, "synced_by_checkpoints", ())]
+
+
 def write_checkpoint(task: Any, name: str, kind: str, wait: Optional[bool] = None) -> None:
     """Build the state on every rank; write it from rank 0.
 
@@ -67,11 +73,13 @@ def write_checkpoint(task: Any, name: str, kind: str, wait: Optional[bool] = Non
     if du.is_primary():
         keep = task.config.CHECKPOINT.KEEP_LAST
         background = async_write_enabled(task) if wait is None else not wait
+        sync_first = files_synced_by_checkpoints(task)
         if background:
-            save_checkpoint_async(task.checkpoint_folder, name, ckpt, keep_last=keep, on_saved=_log_saved)
+            save_checkpoint_async(task.checkpoint_folder, name, ckpt, keep_last=keep, on_saved=_log_saved,
+                                  sync_first=sync_first)
         else:
             wait_for_checkpoint_writes()
-            _log_saved(save_checkpoint(task.checkpoint_folder, name, ckpt, keep_last=keep))
+            _log_saved(save_checkpoint(task.checkpoint_folder, name, ckpt, keep_last=keep, sync_first=sync_first))
     du.barrier()
 
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ssl_engine import distributed as du
-from ssl_engine.checkpoint import atomic_write_text
+from ssl_engine.checkpoint import atomic_write_text, sync_files
 from ssl_engine.errors import UserError
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
@@ -48,9 +48,11 @@ def _phase_idx_readable(record: Dict[str, Any]) -> bool:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append ``line`` with one write and make it durable (fdatasync), without rewriting the file.
+    """Append ``line`` with one write, without rewriting the file.
 
-    A write cut short (disk full) is undone, so the file never holds half a line.
+    A write cut short (disk full) is undone, so the file never holds half a line. The line is
+    not synced here: a kill leaves it in the page cache, and the next checkpoint (which is what
+    a resumed run goes back to) makes it durable before itself (``synced_by_checkpoints``).
     """
     data = line.encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -60,7 +62,6 @@ def append_line(path: Path, line: str) -> None:
         if written != len(data):
             os.ftruncate(fd, size)
             raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a metrics line could be written", str(path))
-        os.fdatasync(fd)
     finally:
         os.close(fd)
 
@@ -122,6 +123,17 @@ class MetricsHook(SSLHook):
         partial = bool(text) and not text.endswith("\n")
         if len(kept) != len(records) or partial or len(records) != text.count("\n"):
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    @property
+    def synced_by_checkpoints(self) -> List[Path]:
+        """metrics.json: each checkpoint syncs it before itself, so the lines of the phases a
+        checkpoint covers survive whatever the checkpoint survives (one sync per checkpoint, off
+        the training thread with CHECKPOINT.ASYNC_WRITE, instead of one per phase on it)."""
+        return [self.path]
+
+    def on_end(self, task: Any) -> None:
+        if du.is_primary():
+            sync_files([self.path])  # the lines of phases after the last checkpoint
 
     def on_phase_start(self, task: Any) -> None:
         if not task.phase_resumed:

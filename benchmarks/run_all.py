@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 WORKLOADS = ("W-tiny", "W-phases", "W-extract", "W-checkpoint", "W-resnet", "Startup", "W-resnet50-gpu")
-DEFAULT_REPEATS = {"W-tiny": 3, "W-phases": 2, "W-extract": 1, "W-checkpoint": 3, "W-resnet": 2, "Startup": 2,
+DEFAULT_REPEATS = {"W-tiny": 3, "W-phases": 3, "W-extract": 3, "W-checkpoint": 3, "W-resnet": 2, "Startup": 2,
                    "W-resnet50-gpu": 2}
 
 

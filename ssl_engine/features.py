@@ -82,6 +82,13 @@ def extraction_status(folder: Path, split: str) -> Optional[Dict[str, object]]:
     return status
 
 
+def split_classes(folder: Path, split: str) -> Optional[List[str]]:
+    """The class names the extraction of ``split`` recorded (label id i is name i), when its
+    labels came from class folders; None otherwise (other labels, or shards written by VISSL)."""
+    classes = (extraction_status(folder, split) or {}).get("classes")
+    return [str(c) for c in classes] if isinstance(classes, list) else None
+
+
 def _check_finished(folder: Path, split: str) -> Optional[Dict[str, object]]:
     status = extraction_status(folder, split)
     if status is not None and status.get("status") == "failed":

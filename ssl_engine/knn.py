@@ -8,13 +8,16 @@ The test set is processed ``chunk_size`` samples at a time, so memory holds the 
 features plus one [chunk_size, N_train] similarity block, whatever the test set's size.
 """
 
+import logging
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ssl_engine.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def _as_tensor(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -25,6 +28,46 @@ def _labels(y: np.ndarray) -> np.ndarray:
     """[N] labels; of [N, L] targets (several label sources) the first column."""
     y = np.asarray(y)
     return y[:, 0] if y.ndim > 1 else y.reshape(-1)
+
+
+def align_test_labels(
+    train_classes: Optional[Sequence[str]], test_classes: Optional[Sequence[str]], test_labels: np.ndarray
+) -> Tuple[np.ndarray, Optional[str]]:
+    """Test labels numbered as the train split numbers its classes, and a line saying what was done.
+
+    Each split extracted from class folders numbers its own sorted folders (VISSL's numbering,
+    kept in the shards): a test folder that lacks one of the train folder's classes gives every
+    later class another id than the train features carry for it, and a kNN comparing ids would
+    score the wrong classes. When the extraction recorded both splits' class names and the
+    test's are a subset of the train's, the test labels are renumbered by name; when the test
+    has classes the train lacks, the ids are compared as they are and the line says so.
+    """
+    if train_classes is None or test_classes is None or list(train_classes) == list(test_classes):
+        return test_labels, None
+    train_classes, test_classes = list(train_classes), list(test_classes)
+    unknown = [c for c in test_classes if c not in train_classes]
+    if unknown:
+        shown = ", ".join(repr(c) for c in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        return test_labels, (
+            f"the test split has class folder(s) the train split lacks ({shown}); labels are compared by their ids "
+            f"(each split numbers its own sorted class folders), which match classes only where the two folders "
+            f"list the same classes in the same order"
+        )
+    y = np.asarray(test_labels)
+    column = _labels(y)
+    lookup = np.asarray([train_classes.index(c) for c in test_classes], dtype=np.int64)
+    known = (column >= 0) & (column < len(lookup))
+    renumbered = np.where(known, lookup[np.clip(column, 0, len(lookup) - 1)], column)
+    if y.ndim > 1:
+        y = y.copy()
+        y[:, 0] = renumbered
+    else:
+        y = renumbered.reshape(y.shape)
+    missing = [c for c in train_classes if c not in test_classes]
+    return y, (
+        f"the test split's {len(test_classes)} class folders are numbered as the train split's {len(train_classes)} "
+        f"by name (no test images of: {', '.join(missing) or 'none'})"
+    )
 
 
 def knn_accuracy(
@@ -97,11 +140,27 @@ def knn_on_folder(
     l2_norm: bool = True,
 ) -> Dict[int, float]:
     """:func:`knn_accuracy` on the train and test shards of ``layer`` in a features folder."""
-    from ssl_engine.features import load_features
-
-    train = load_features(folder, train_split, layer)
-    test = load_features(folder, test_split, layer)
+    train, test = load_train_and_test(folder, layer, train_split, test_split)
     return knn_accuracy(
         train["features"], train["targets"], test["features"], test["targets"],
         topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size, l2_norm=l2_norm,
     )
+
+
+def load_train_and_test(
+    folder: Path, layer: str, train_split: str = "train", test_split: str = "test"
+) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+    """The train and test features of ``layer`` in ``folder`` (see ssl_engine.features.load_features),
+    the test targets numbered as the train split numbers its classes (:func:`align_test_labels`;
+    what was done is logged)."""
+    from ssl_engine.features import load_features, split_classes
+
+    train = load_features(folder, train_split, layer)
+    test = load_features(folder, test_split, layer)
+    targets, note = align_test_labels(split_classes(folder, train_split), split_classes(folder, test_split),
+                                      test["targets"])
+    if note:
+        renumbered = targets is not test["targets"]
+        (log.info if renumbered else log.warning)("kNN %s: %s", layer, note)
+        test = dict(test, targets=targets)
+    return train, test

@@ -614,3 +614,49 @@ def test_trunk_features_of_a_training_folder_load_its_trunk_whatever_the_configs
     assert proc.returncode == 2 and err[-1].startswith("error: "), proc.stderr[-3000:]
     assert str(pretrained) in err[-1] and "do not fit this model" in err[-1] and "WEIGHTS_INIT.PARAMS_FILE" in err[-1]
     assert "AUTO_RESUME" not in err[-1]
+
+
+def _color_folders(root: Path, classes: Dict[str, str]) -> None:
+    """``{split: class letters}``: 2 images per class, one color per class (a red, b green, c blue)."""
+    from PIL import Image
+
+    colors = {"a": (200, 0, 0), "b": (0, 200, 0), "c": (0, 0, 200), "d": (200, 200, 0)}
+    for split, letters in classes.items():
+        for c in letters:
+            (root / split / c).mkdir(parents=True)
+            for i in range(2):
+                r, g, b = colors[c]
+                Image.new("RGB", (8, 8), (r, g + 7 * i, b)).save(root / split / c / f"{i}.png")
+
+
+def test_knn_compares_class_folders_by_name_when_the_test_folder_lacks_a_class(tmp_path: Path) -> None:
+    # each split numbers its own sorted class folders (VISSL's numbering, kept in the shards): the
+    # test folder's c is 1, the train folder's c is 2; the kNN test renumbers the test labels by name
+    _color_folders(tmp_path, {"train": "abc", "test": "ac"})
+    args = ["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path / 'out'}",
+            "config.NEAREST_NEIGHBOR.TOPK=1", "config.MODEL.TRUNK.NAME=mlp", "config.MODEL.TRUNK.MLP.DIMS=[192,32]",
+            "config.MODEL.HEAD.PARAMS=[]", "config.DATA.TRAIN.COLLATE_FUNCTION=default_collate",
+            "config.DATA.TRAIN.DATA_LIMIT=-1", "config.DATA.TRAIN.DROP_LAST=false"]
+    for split in ("TRAIN", "TEST"):
+        args += [f"config.DATA.{split}.DATA_SOURCES=[disk_folder]", f"config.DATA.{split}.LABEL_SOURCES=[disk_folder]",
+                 f"config.DATA.{split}.DATA_PATHS=[{tmp_path / split.lower()}]",
+                 f"config.DATA.{split}.TRANSFORMS=[{{name: ToTensor}}]", f"config.DATA.{split}.BATCHSIZE_PER_REPLICA=2"]
+    proc = tool(args, script=NN_TOOL)
+    # the shards keep each folder's own ids; the status files say which names they stand for
+    assert extraction_status(tmp_path / "out", "test")["classes"] == ["a", "c"]
+    assert load_features(tmp_path / "out", "test", "heads")["targets"].reshape(-1).tolist() == [0, 0, 1, 1]
+    assert "numbered as the train split's 3 by name (no test images of: b)" in proc.stdout
+    # each test image has its twin in the train folder: every nearest neighbour is of its class
+    assert "top-1 100.00%" in [l for l in proc.stdout.splitlines() if l.startswith("kNN heads")][0], proc.stdout
+
+
+def test_align_test_labels_renumbers_a_subset_by_name_and_leaves_other_classes_as_they_are() -> None:
+    from ssl_engine.knn import align_test_labels
+
+    same, note = align_test_labels(["a", "b"], ["a", "b"], np.array([0, 1]))
+    assert same.tolist() == [0, 1] and note is None
+    y, note = align_test_labels(["a", "b", "c"], ["a", "c"], np.array([[0, 5], [1, 6], [-1, 7]]))
+    assert y.tolist() == [[0, 5], [2, 6], [-1, 7]] and "no test images of: b" in note  # first column only; -1 stays
+    kept, note = align_test_labels(["a", "b"], ["a", "x"], np.array([0, 1]))
+    assert kept.tolist() == [0, 1] and "'x'" in note and "compared by their ids" in note
+    assert align_test_labels(None, ["a"], np.array([0]))[1] is None  # shards written by VISSL: nothing to compare

@@ -36,8 +36,8 @@ def extract(cfg, node_id: int = 0) -> int:
 
 def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     """kNN accuracies of every layer with train and test shards in ``folder``, printed as they come."""
-    from ssl_engine.features import FeatureShardError, available, load_features
-    from ssl_engine.knn import knn_accuracy
+    from ssl_engine.features import FeatureShardError, available
+    from ssl_engine.knn import knn_accuracy, load_train_and_test
 
     pairs = available(folder)
     layers = [layer for s, layer in pairs if s == "train" and ("test", layer) in pairs]
@@ -47,8 +47,7 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     nn = cfg.NEAREST_NEIGHBOR
     results = {}
     for layer in layers:
-        train = load_features(folder, "train", layer)
-        test = load_features(folder, "test", layer)
+        train, test = load_train_and_test(folder, layer)
         acc = knn_accuracy(
             train["features"], train["targets"], test["features"], test["targets"],
             topk=nn.TOPK, sigma=nn.SIGMA, topk_list=nn.TOPK_LIST, chunk_size=nn.TEST_CHUNK_SIZE,

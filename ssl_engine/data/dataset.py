@@ -451,6 +451,28 @@ def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: Li
     return arrays
 
 
+def class_folder_of(cfg: Any, split: str, j: int = 0) -> Tuple[str, str]:
+    """(folder, its config key) whose class subfolders number ``LABEL_SOURCES[j]`` of ``split``
+    when that label source is disk_folder (LABEL_PATHS[j], else DATA_PATHS[j]); ('', '') otherwise."""
+    scfg = (cfg.get("DATA") or {}).get(split) or {}
+    labels = list(scfg.get("LABEL_SOURCES") or [])
+    if j >= len(labels) or labels[j] != "disk_folder":
+        return "", ""
+    paths = normalize_paths(scfg.get("LABEL_PATHS"), split, "LABEL_PATHS")
+    if source_path(paths, j):
+        return source_path(paths, j), f"{data_key(split, 'LABEL_PATHS')}[{j}]"
+    return (source_path(normalize_paths(scfg.get("DATA_PATHS"), split, "DATA_PATHS"), j),
+            f"{data_key(split, 'DATA_PATHS')}[{j}]")
+
+
+def label_class_names(cfg: Any, split: str) -> Optional[List[str]]:
+    """The class names that the label ids of ``split``'s first label source stand for (id i is
+    name i) when they come from class folders; None otherwise. Written next to extracted
+    features, so that a kNN test can tell whether two splits number their classes alike."""
+    folder, _ = class_folder_of(cfg, split)
+    return class_folders(folder) if folder and os.path.isdir(folder) else None
+
+
 def _number_as_training(cfg: Any, j: int, classes: List[str], labels: np.ndarray, folder: str) -> np.ndarray:
     """TEST labels of class folders numbered as the TRAIN folder numbers its classes.
 
@@ -459,24 +481,18 @@ def _number_as_training(cfg: Any, j: int, classes: List[str], labels: np.ndarray
     model learned for it. Where TRAIN's labels come from class folders too, TEST's classes are
     looked up in TRAIN's list; a TEST class that TRAIN does not have is a UserError. Training
     only: an extraction writes each folder's own numbering whichever splits it extracts
-    (retrieval sets have disjoint classes), as VISSL does.
+    (retrieval sets have disjoint classes), as VISSL does; the kNN test compares them by name
+    (see ssl_engine.knn.align_test_labels).
     """
     if str(cfg.get("engine_name", "train")) != "train":
         return labels
-    train = (cfg.get("DATA") or {}).get("TRAIN") or {}
-    train_labels = list(train.get("LABEL_SOURCES") or [])
-    if j >= len(train_labels) or train_labels[j] != "disk_folder":
-        return labels
-    paths = normalize_paths(train.get("LABEL_PATHS"), "TRAIN", "LABEL_PATHS")
-    train_key = f"{data_key('TRAIN', 'LABEL_PATHS' if source_path(paths, j) else 'DATA_PATHS')}[{j}]"
-    train_folder = source_path(paths, j) or source_path(normalize_paths(train.get("DATA_PATHS"), "TRAIN", "DATA_PATHS"), j)
+    train_folder, train_key = class_folder_of(cfg, "TRAIN", j)
     if not train_folder or not os.path.isdir(train_folder):
         return labels
     reference = class_folders(train_folder)
     if reference == classes:
         return labels
-    test_paths = normalize_paths(((cfg.get("DATA") or {}).get("TEST") or {}).get("LABEL_PATHS"), "TEST", "LABEL_PATHS")
-    test_key = f"{data_key('TEST', 'LABEL_PATHS' if source_path(test_paths, j) else 'DATA_PATHS')}[{j}]"
+    _, test_key = class_folder_of(cfg, "TEST", j)
     unknown = [c for c in classes if c not in reference]
     if unknown:
         shown = ", ".join(repr(c) for c in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")

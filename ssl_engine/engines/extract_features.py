@@ -189,6 +189,7 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     Returns this split's summary: samples on all ranks, per-layer feature shape and dtype,
     chunks of this rank, seconds.
     """
+    from ssl_engine.data.dataset import label_class_names
     from ssl_engine.data.loader import stop_workers
 
     cfg = task.config
@@ -221,7 +222,9 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     counts = [n for n, _ in gathered]
     layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
     if du.is_primary():
-        write_extraction_status(folder, split, "complete", samples=int(sum(counts)), layers=layers)
+        classes = label_class_names(cfg, split)
+        write_extraction_status(folder, split, "complete", samples=int(sum(counts)), layers=layers,
+                                **({"classes": classes} if classes is not None else {}))
     return {
         "split": split.lower(),
         "samples": int(sum(counts)),

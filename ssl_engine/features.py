@@ -89,7 +89,15 @@ def split_classes(folder: Path, split: str) -> Optional[List[str]]:
     return [str(c) for c in classes] if isinstance(classes, list) else None
 
 
-def _check_finished(folder: Path, split: str) -> Optional[Dict[str, object]]:
+def split_label_type(folder: Path, split: str) -> str:
+    """The LABEL_TYPE the extraction of ``split`` used for its targets ('standard' when it did
+    not record one: shards written by VISSL or by an older version)."""
+    return str((extraction_status(folder, split) or {}).get("label_type", "standard"))
+
+
+def check_finished(folder: Path, split: str) -> Optional[Dict[str, object]]:
+    """The status of ``split`` in ``folder`` (None for shards without one, e.g. VISSL's);
+    FeatureShardError when its extraction failed or did not finish."""
     status = extraction_status(folder, split)
     if status is not None and status.get("status") == "failed":
         raise FeatureShardError(
@@ -158,7 +166,7 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
     split = split.lower()
     if not folder.is_dir():
         raise FeatureShardError(f"features folder {folder} does not exist")
-    _check_finished(folder, split)
+    check_finished(folder, split)
     index = _index(folder)
     shards = index.get((split, layer))
     if not shards:

@@ -153,8 +153,16 @@ def load_train_and_test(
     """The train and test features of ``layer`` in ``folder`` (see ssl_engine.features.load_features),
     the test targets numbered as the train split numbers its classes (:func:`align_test_labels`;
     what was done is logged)."""
-    from ssl_engine.features import load_features, split_classes
+    from ssl_engine.features import load_features, split_classes, split_label_type
 
+    for split in (train_split, test_split):
+        label_type = split_label_type(folder, split)
+        if label_type != "standard":
+            raise UserError(
+                f"kNN: the {split} features in {folder} were extracted with config.DATA.{split.upper()}.LABEL_TYPE="
+                f"{label_type}, so their targets are {'sample indices' if label_type == 'sample_index' else 'all 0'}, "
+                f"not classes; extract them again with config.DATA.{split.upper()}.LABEL_TYPE=standard"
+            )
     train = load_features(folder, train_split, layer)
     test = load_features(folder, test_split, layer)
     targets, note = align_test_labels(split_classes(folder, train_split), split_classes(folder, test_split),

@@ -649,6 +649,21 @@ def test_knn_compares_class_folders_by_name_when_the_test_folder_lacks_a_class(t
     # each test image has its twin in the train folder: every nearest neighbour is of its class
     assert "top-1 100.00%" in [l for l in proc.stdout.splitlines() if l.startswith("kNN heads")][0], proc.stdout
 
+    # VISSL's extraction configs set TRAIN.LABEL_TYPE: sample_index: such targets are no classes
+    proc = tool([*args, f"config.CHECKPOINT.DIR={tmp_path / 'idx'}", "config.DATA.TRAIN.LABEL_TYPE=sample_index"],
+                script=NN_TOOL, ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "extracted with config.DATA.TRAIN.LABEL_TYPE=sample_index, so their targets are sample indices" in \
+        proc.stderr.strip().splitlines()[-1]
+    assert "classes" not in extraction_status(tmp_path / "idx", "train")  # no class names for sample indices
+
+    # a test split whose extraction was stopped is named as such, not as "no layer with test features"
+    write_extraction_status(tmp_path / "out", "test", "running")  # killed before its first shard
+    remove_shards(tmp_path / "out", "test")
+    proc = tool([*args, f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path / 'out'}"], script=NN_TOOL, ok=False)
+    assert proc.returncode == 2
+    assert "the test extraction in" in proc.stderr and "did not finish" in proc.stderr, proc.stderr
+
 
 def test_align_test_labels_renumbers_a_subset_by_name_and_leaves_other_classes_as_they_are() -> None:
     from ssl_engine.knn import align_test_labels

@@ -36,9 +36,11 @@ def extract(cfg, node_id: int = 0) -> int:
 
 def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     """kNN accuracies of every layer with train and test shards in ``folder``, printed as they come."""
-    from ssl_engine.features import FeatureShardError, available
+    from ssl_engine.features import FeatureShardError, available, check_finished
     from ssl_engine.knn import knn_accuracy, load_train_and_test
 
+    for split in ("train", "test"):
+        check_finished(folder, split)  # an extraction that failed or was stopped says so, not "no shards"
     pairs = available(folder)
     layers = [layer for s, layer in pairs if s == "train" and ("test", layer) in pairs]
     if not layers:

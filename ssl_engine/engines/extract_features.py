@@ -222,9 +222,10 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     counts = [n for n, _ in gathered]
     layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
     if du.is_primary():
-        classes = label_class_names(cfg, split)
+        label_type = str(cfg.DATA[split].get("LABEL_TYPE", "standard"))
+        classes = label_class_names(cfg, split) if label_type == "standard" else None
         write_extraction_status(folder, split, "complete", samples=int(sum(counts)), layers=layers,
-                                **({"classes": classes} if classes is not None else {}))
+                                label_type=label_type, **({"classes": classes} if classes is not None else {}))
     return {
         "split": split.lower(),
         "samples": int(sum(counts)),

@@ -451,6 +451,30 @@ def test_schedule_errors_are_user_errors():
         build_optimizer(opt_cfg(param_schedulers={"lr": lr_cfg(update_interval="iter")}), nn.Linear(2, 2), 8, 1)
 
 
+def test_auto_lr_scaling_follows_vissls_rule_per_schedule_type_and_says_when_it_reshapes(caplog):
+    # VISSL (get_scaled_lr_scheduler): multistep values become scaled_lr * gamma**i, gamma = values[1] / values[0];
+    # each part of a composite is scaled on its own (a constant part becomes scaled_lr)
+    auto = {"auto_scale": True, "base_value": 0.3, "base_lr_batch_size": 256, "scaling_type": "linear"}
+    geometric = lr_cfg(name="multistep", values=[0.3, 0.03, 0.003], milestones=[1, 2], auto_lr_scaling=auto)
+    with caplog.at_level("WARNING"):
+        assert scale_lr_schedule(geometric, 512)["values"] == pytest.approx([0.6, 0.06, 0.006])
+    assert "VISSL's rule" not in caplog.text  # the usual config: the same as scaling it as written
+    uneven = dict(geometric, values=[0.3, 0.15, 0.003])
+    with caplog.at_level("WARNING"):
+        assert scale_lr_schedule(uneven, 512)["values"] == pytest.approx([0.6, 0.3, 0.15])
+    assert "gives the lr values [0.6, 0.3, 0.15] where scaling the schedule as written gives [0.6, 0.3, 0.006]" \
+        in caplog.text
+    caplog.clear()
+    tail = lr_cfg(name="composite", lengths=[0.5, 0.5], interval_scaling=["rescaled", "fixed"], auto_lr_scaling=auto,
+                  schedulers=[{"name": "cosine", "start_value": 0.3, "end_value": 0.003},
+                              {"name": "constant", "value": 0.003}])
+    with caplog.at_level("WARNING"):
+        children = scale_lr_schedule(tail, 512, num_nodes=2)["schedulers"]
+    assert (children[0]["start_value"], children[0]["end_value"], children[1]["value"]) == pytest.approx(
+        (0.6, 0.006, 0.6))
+    assert "[0.6, 0.006, 0.6] where scaling the schedule as written gives [0.6, 0.006, 0.006]" in caplog.text
+
+
 def test_auto_lr_scaling_linear_and_sqrt():
     auto = {"auto_scale": True, "base_value": 0.3, "base_lr_batch_size": 256, "scaling_type": "linear"}
     cosine = lr_cfg(name="cosine", start_value=0.3, end_value=0.003, auto_lr_scaling=auto)

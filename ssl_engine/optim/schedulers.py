@@ -253,12 +253,14 @@ def scale_lr_schedule(
         scaled_lr = base_value * (global_batch_size / base_lr_batch_size)      (linear)
         scaled_lr = base_value * sqrt(global_batch_size / base_lr_batch_size)  (sqrt)
 
-    and, as VISSL does, the schedule's peak is set to ``scaled_lr`` while its shape is
-    kept: every value (start/end/value/values/base_value, composite children included) is
-    multiplied by ``scaled_lr / peak``. For the usual configs, whose peak equals
-    ``base_value``, that is multiplying every value by the batch-size factor. A cosine
-    start_value becomes scaled_lr and its end_value keeps its ratio to start_value; the
-    multistep values become scaled_lr times their decay.
+    and each schedule is scaled by VISSL's rule for its type (:func:`_scale_as_vissl`): a cosine
+    starts at scaled_lr and keeps its end/start ratio, multistep/step values become
+    ``scaled_lr * gamma**i`` with ``gamma = values[1] / values[0]``, a constant is scaled_lr,
+    and each part of a composite is scaled so on its own.
+    For the usual configs (a peak equal to ``base_value``, geometric multistep values) that is
+    multiplying every value by the batch-size factor; where VISSL's rule changes the shape
+    written in the config (non-geometric values, a composite part that does not start at the
+    peak) a warning gives both.
 
     A linear warm-up inside a composite schedule is resolved as VISSL resolves it (see
     :func:`_resolve_linear_warmup`): it ends at scaled_lr and starts at the lr scaled for one
@@ -290,7 +292,10 @@ def scale_lr_schedule(
     if peak <= 0:
         logger.warning("auto_lr_scaling: the lr schedule has no positive value; left unscaled")
         return cfg
-    _multiply(cfg, scaled_lr / peak)
+    as_written = copy.deepcopy(cfg)
+    _multiply(as_written, scaled_lr / peak)
+    _scale_as_vissl(cfg, scaled_lr, scaled_lr / peak)
+    _warn_reshaped(cfg, as_written, sched_key)
     logger.info(
         "%s.auto_lr_scaling (%s): global batch %d / base batch %g -> scale %.6g; "
         "lr base_value %.6g -> scaled lr %.6g (schedule peak %.6g -> %.6g)",
@@ -301,6 +306,58 @@ def scale_lr_schedule(
         node_lr = base_value * (math.sqrt(node_ratio) if scaling_type == "sqrt" else node_ratio)
         cfg = _resolve_linear_warmup(cfg, node_lr, int(num_nodes), sched_key)
     return cfg
+
+
+def _scale_as_vissl(cfg: Dict[str, Any], scaled_lr: float, factor: float) -> None:
+    """In place: VISSL's auto-scaling rule for the schedule's type (composite: each child).
+
+    A linear schedule is multiplied by ``factor`` (scaled_lr / the schedule's peak), which keeps
+    its shape: a warm-up then ends at scaled_lr, as in VISSL, and its start is set by the warm-up
+    rule of a composite (:func:`_resolve_linear_warmup`); a decay stays a decay (VISSL's rule,
+    end_value = scaled_lr, would turn it into a rise). So is a schedule VISSL has no rule for
+    (polynomial, one of your own: VISSL stops with an error) or whose rule cannot apply (a
+    first value of 0).
+    """
+    name = str(cfg.get("name"))
+    if name == "composite":
+        for child in cfg.get("schedulers") or []:
+            _scale_as_vissl(child, scaled_lr, factor)
+        return
+    if name in ("multistep", "step"):
+        values = [float(v) for v in cfg.get("values") or []]
+        if values and values[0] > 0:
+            gamma = round(values[1] / values[0], 6) if len(values) > 1 else 1.0
+            cfg["values"] = [round(float(scaled_lr * gamma ** i), 8) for i in range(len(values))]
+            return
+    elif "cosine" in name:
+        start, end = float(cfg.get("start_value", 0.0)), float(cfg.get("end_value", 0.0))
+        if start > 0:
+            cfg["start_value"], cfg["end_value"] = float(scaled_lr), float(scaled_lr * end / start)
+            return
+    elif name == "constant":
+        cfg["value"] = float(scaled_lr)
+        return
+    elif name == "step_with_fixed_gamma":
+        cfg["base_value"] = float(scaled_lr)
+        return
+    _multiply(cfg, factor)
+
+
+def _warn_reshaped(scaled: Mapping[str, Any], as_written: Mapping[str, Any], key: str) -> None:
+    """One warning when VISSL's rule gave other values than scaling the written schedule would."""
+    got, kept = _lr_values(scaled), _lr_values(as_written)
+    if len(got) == len(kept) and all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-12) for a, b in zip(got, kept)):
+        return
+    logger.warning(
+        "%s.auto_lr_scaling: VISSL's rule gives the lr values %s where scaling the schedule as written gives %s "
+        "(multistep/step values become scaled_lr * gamma**i with gamma = values[1] / values[0]; each part of a "
+        "composite starts at the scaled lr); to train with other values, write them with auto_scale: false",
+        key, _short(got), _short(kept),
+    )
+
+
+def _short(values: List[float]) -> str:
+    return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
 
 
 def _resolve_linear_warmup(cfg: Dict[str, Any], node_lr: float, num_nodes: int, key: str = LR_KEY) -> Dict[str, Any]:

@@ -954,3 +954,22 @@ def test_an_override_into_a_section_a_yaml_file_set_to_a_value_names_that_value(
     assert "config.OPTIMIZER.num_epochs on the command line" in str(e.value)
     with pytest.raises(ConfigError, match=r"unknown config key config.OPTIMIZER.num_epoch \(closest"):
         compose(["config=quick/simclr_synthetic", "config.OPTIMIZER.num_epoch=1"], warn_unused=False)
+
+
+def test_an_override_into_a_list_entry_names_the_entry_or_the_valid_indices(tmp_path):
+    # a user's yaml that lists its transforms: options of an entry are changed by index
+    path = tmp_path / "mine.yaml"
+    path.write_text((Path(__file__).resolve().parents[1] / "configs/config/quick/simclr_synthetic.yaml").read_text())
+    cfg = compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.1.size=40"], warn_unused=False)
+    assert cfg.DATA.TRAIN.TRANSFORMS[1]["size"] == 40
+    with pytest.raises(ConfigError) as e:  # was: "TRANSFORMS=[...] has the wrong type: expected mapping"
+        compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.1.ratio=[0.5,1.0]"], warn_unused=False)
+    assert str(e.value) == ("config.DATA.TRAIN.TRANSFORMS.1.ratio: entry 1 of config.DATA.TRAIN.TRANSFORMS (name "
+                            "RandomResizedCrop) has no option 'ratio' to change; add it with "
+                            "+config.DATA.TRAIN.TRANSFORMS.1.ratio=<value>")
+    cfg = compose([f"config={path}", "+config.DATA.TRAIN.TRANSFORMS.1.ratio=[0.5,1.0]"], warn_unused=False)
+    assert cfg.DATA.TRAIN.TRANSFORMS[1]["ratio"] == [0.5, 1.0]
+    for index in ("9", "x"):  # was hydra's "Error merging override ..." / "Index 'x' (str) is not an int"
+        with pytest.raises(ConfigError, match=rf"TRANSFORMS is a list of 6 entries, so '{index}' names none of them "
+                                              r"\(indices: 0-5\)"):
+            compose([f"config={path}", f"config.DATA.TRAIN.TRANSFORMS.{index}.size=64"], warn_unused=False)

@@ -580,7 +580,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
         try:
             root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs(), user_file)
         except ConfigError as e:
-            if command_line and str(e).startswith("unknown config key"):
+            if command_line and (str(e).startswith("unknown config key") or _names_a_list_entry(str(e))):
                 _explain_override_into_a_value(hydra_overrides, command_line, extra_dirs, user_file)
             raise
     root.pop("hydra", None)
@@ -604,8 +604,16 @@ def _explain_override_into_a_value(hydra_overrides: List[str], command_line: Lis
         node: Any = base
         parts = key.lstrip("+~").split(".")
         for depth, part in enumerate(parts[:-1]):
+            if isinstance(node, list):  # an entry of a list (TRANSFORMS.1.size): the part is its index
+                node = _list_entry(node, ".".join(parts[:depth]), part, key)
+                if isinstance(node, dict) and depth == len(parts) - 2 and parts[-1] not in node:
+                    raise ConfigError(
+                        f"{key}: entry {part} of {'.'.join(parts[:depth])} ({_entry_name(node)}) has no option "
+                        f"{parts[-1]!r} to change; add it with +{key.lstrip('+')}=<value>"
+                    )
+                continue
             node = node.get(part) if isinstance(node, dict) else None
-            if node is not None and not isinstance(node, dict):
+            if node is not None and not isinstance(node, (dict, list)):
                 where = ".".join(parts[:depth + 1])
                 raise ConfigError(
                     f"{where}={node!r} has the wrong type: expected mapping, got {type(node).__name__} "
@@ -614,6 +622,27 @@ def _explain_override_into_a_value(hydra_overrides: List[str], command_line: Lis
                 )
             if node is None:
                 break
+
+
+def _names_a_list_entry(message: str) -> bool:
+    """hydra's errors for an override into a list entry it cannot find (index out of range, not a number)."""
+    return message.startswith("cannot compose the config: ") and (
+        "Error merging override" in message or "is not an int" in message)
+
+
+def _list_entry(items: List[Any], where: str, part: str, key: str) -> Any:
+    """``items[int(part)]``; a ConfigError naming the valid indices when ``part`` is none of them."""
+    if part.isdigit() and int(part) < len(items):
+        return items[int(part)]
+    valid = f"0-{len(items) - 1}" if len(items) > 1 else "0" if items else "none: the list is empty"
+    raise ConfigError(
+        f"{key}: {where} is a list of {len(items)} entries, so {part!r} names none of them (indices: {valid}); "
+        f"to change the whole list, give it as {where}=[...]"
+    )
+
+
+def _entry_name(entry: Dict[str, Any]) -> str:
+    return f"name {entry['name']}" if "name" in entry else "a section"
 
 
 def _file_setting(user_file: Optional[str], parts: List[str]) -> Optional[str]:

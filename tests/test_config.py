@@ -973,3 +973,20 @@ def test_an_override_into_a_list_entry_names_the_entry_or_the_valid_indices(tmp_
         with pytest.raises(ConfigError, match=rf"TRANSFORMS is a list of 6 entries, so '{index}' names none of them "
                                               r"\(indices: 0-5\)"):
             compose([f"config={path}", f"config.DATA.TRAIN.TRANSFORMS.{index}.size=64"], warn_unused=False)
+
+
+def test_settings_that_are_not_acted_on_are_reported_also_inside_free_form_sections(caplog):
+    # AMP_ARGS takes any keys (VISSL's apex options), but its [compat] opt_level set to O3 is still
+    # said to be ignored; EXPERIMENT_LOG_DIR is read only under a LOG_DIR of one's own
+    with caplog.at_level(logging.WARNING):
+        compose(["config=quick/simclr_synthetic", "config.MODEL.AMP_PARAMS.AMP_ARGS.opt_level=O3",
+                 "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true",
+                 "config.HOOKS.TENSORBOARD_SETUP.EXPERIMENT_LOG_DIR=my_exp"])
+    assert "config.MODEL.AMP_PARAMS.AMP_ARGS.opt_level is accepted for VISSL configs but not acted on" in caplog.text
+    assert "EXPERIMENT_LOG_DIR=my_exp is read only with LOG_DIR set to a folder" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        compose(["config=quick/simclr_synthetic", "config.MODEL.AMP_PARAMS.AMP_ARGS.opt_level=O1",
+                 "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true", "config.HOOKS.TENSORBOARD_SETUP.LOG_DIR=/tmp/tb",
+                 "config.HOOKS.TENSORBOARD_SETUP.EXPERIMENT_LOG_DIR=my_exp"])
+    assert "opt_level" not in caplog.text and "EXPERIMENT_LOG_DIR" not in caplog.text

@@ -83,6 +83,7 @@ def test_quick_simclr_synthetic_writes_the_run_folder(tmp_path):
     assert [s["iteration"] for s in steps] == [1, 2, 4, 5, 6, 8]
     assert {"lr", "loss", "data_time", "batch_time", "eta"} <= set(steps[0])
     assert "train phase 0" in (folder / "log.txt").read_text()
+    assert "engine, config:" not in (folder / "log.txt").read_text()  # only with VERBOSE
     ckpt = torch.load(str(folder / "checkpoint.torch"), weights_only=True)
     assert {"phase_idx", "train_phase_idx", "iteration", "iteration_num", "type", "classy_state_dict"} <= set(ckpt)
     assert ckpt["iteration"] == 8 and ckpt["type"] == "final"
@@ -91,6 +92,17 @@ def test_quick_simclr_synthetic_writes_the_run_folder(tmp_path):
     saved = compose([f"config={folder / 'train_config.yaml'}"], warn_unused=False)
     assert saved.OPTIMIZER.num_epochs == 2 and saved.CHECKPOINT.DIR == str(folder)
     assert yaml.safe_load((folder / "train_config.yaml").read_text())["config"]["LOSS"]["name"] == "simclr_info_nce_loss"
+
+
+def test_verbose_logs_the_full_config_at_start(tmp_path):
+    folder = tmp_path / "verbose"
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={folder}", "config.OPTIMIZER.num_epochs=1",
+                  "config.DATA.TRAIN.DATA_LIMIT=16", "config.VERBOSE=true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (folder / "log.txt").read_text()
+    assert "train engine, config:" in log
+    dumped = log.split("train engine, config:\n", 1)[1]
+    assert "  LOSS:\n    name: simclr_info_nce_loss" in dumped and "  VERBOSE: true" in dumped
 
 
 def test_supervised_digits_reaches_90_percent(tmp_path):

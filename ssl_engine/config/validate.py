@@ -278,6 +278,9 @@ class _Walker:
             dval = default[key]
             if kpath in _FREE_FORM and isinstance(value, dict):
                 out[key] = {**dval, **value}
+                # its own [compat] options (AMP_ARGS.opt_level) are still reported when set
+                self.compat_set += [f"{kpath}.{k}" for k, v in value.items()
+                                    if k in dval and v != dval[k] and self.is_compat(f"{kpath}.{k}")]
                 continue
             if isinstance(dval, dict) and dval and isinstance(value, dict):
                 out[key] = self.walk(value, dval, kpath)
@@ -560,7 +563,21 @@ def validate(
         for key in walker.compat_set:
             log.warning("config key %s is accepted for VISSL configs but not acted on by ssl_engine", key)
         warn_unread_dataset_names(cfg, defaults["config"]["DATA"])
+        warn_unread_tensorboard_folder(cfg, defaults["config"]["HOOKS"]["TENSORBOARD_SETUP"])
     return AttrDict(cfg)
+
+
+def warn_unread_tensorboard_folder(cfg: Dict[str, Any], default_tb: Dict[str, Any]) -> None:
+    """EXPERIMENT_LOG_DIR names a sub-folder of LOG_DIR; with LOG_DIR '.' (the default, and the
+    only place VISSL 0.1.6 writes events) the events go to CHECKPOINT.DIR/tb_logs and it is not read."""
+    tb = ((cfg.get("HOOKS") or {}).get("TENSORBOARD_SETUP")) or {}
+    value = tb.get("EXPERIMENT_LOG_DIR")
+    if tb.get("USE_TENSORBOARD") and str(tb.get("LOG_DIR")) in ("", ".") and value != default_tb["EXPERIMENT_LOG_DIR"]:
+        log.warning(
+            "config.HOOKS.TENSORBOARD_SETUP.EXPERIMENT_LOG_DIR=%s is read only with LOG_DIR set to a folder "
+            "(events then go to LOG_DIR/EXPERIMENT_LOG_DIR/tb_logs); with LOG_DIR '.' they go to CHECKPOINT.DIR/tb_logs, "
+            "as in VISSL: not acted on", value,
+        )
 
 
 def expand_home(cfg: Dict[str, Any]) -> None:

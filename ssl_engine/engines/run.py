@@ -38,6 +38,10 @@ def run_engine(cfg: AttrDict, info: RankInfo) -> Any:
         setup_logging(info.rank, cfg.CHECKPOINT.DIR, cfg.VERBOSE)
     except OSError as e:  # e.g. a folder named log.txt
         raise (file_system_error(e) or e) from None
+    if cfg.VERBOSE and info.rank == 0:
+        from ssl_engine.config import to_yaml
+
+        log.info("%s engine, config:\n%s", cfg.engine_name, to_yaml(cfg).rstrip())
     load_builtin_parts()
     import_user_modules(cfg.USER_MODULES)
     preemption.install()

@@ -643,6 +643,24 @@ def test_perf_stats_breakdown(tiny_yaml: Path, tmp_path: Path) -> None:
         assert s["iterations"] == TEST_ITERS and s["backward_ms"] == 0 and s["step_ms"] == 0 and s["forward_ms"] > 0
 
 
+def test_perf_stats_of_a_phase_resumed_after_a_crash_cover_the_whole_phase(tiny_yaml: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    cfg = make_cfg(tiny_yaml, folder, "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=6", "config.CHECKPOINT.ASYNC_WRITE=false")
+
+    def crash(task: Any) -> None:
+        if task.iteration == 7:  # a crash after the iteration checkpoint of phase 1's 2nd iteration
+            raise RuntimeError("crash")
+
+    with pytest.raises(RuntimeError, match="crash"):
+        train(cfg, base_hooks(cfg) + [PerfStatsHook(), CallbackHook(on_step=crash)])
+    assert (folder / "model_iteration6.torch").exists()
+    train(cfg, base_hooks(cfg) + [PerfStatsHook()], checkpoint_path=str(folder / "model_iteration6.torch"))
+    train_stats = [r["train_perf_stats"] for r in metrics(folder) if "train_loss" in r]
+    # was 2 for the resumed phase: only the iterations after the restart were counted
+    assert [s["iterations"] for s in train_stats] == [TRAIN_ITERS_PER_EPOCH, TRAIN_ITERS_PER_EPOCH]
+    assert all(s["forward_ms"] > 0 for s in train_stats)
+
+
 def test_torch_profiler_writes_traces(tiny_yaml: Path, tmp_path: Path) -> None:
     folder = tmp_path / "run"
     cfg = make_cfg(tiny_yaml, folder, "config.OPTIMIZER.num_epochs=1", "config.TEST_MODEL=false")

@@ -12,7 +12,7 @@ and written into metrics.json as ``{phase}_perf_stats``.
 
 import logging
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -57,6 +57,7 @@ class PerfStatsHook(SSLHook):
     """Per-phase breakdown of the iteration time; a log line every ``frequency`` iterations if > 0."""
 
     priority = 100  # last at every event: a part ends after the hooks of its event
+    rank_local_state = True  # each rank's own timings: a checkpoint keeps every rank's sums
 
     def __init__(self, frequency: int = -1) -> None:
         super().__init__()
@@ -68,13 +69,20 @@ class PerfStatsHook(SSLHook):
         self._marks: Dict[str, Any] = {}
         self._window: Dict[str, float] = {p: 0.0 for p in PARTS}
         self._window_count = 0
+        self._resumed: Optional[Dict[str, Any]] = None  # a checkpoint's sums of the phase it stopped in
+        self._data_time = 0.0  # the current step's data time (read at on_forward)
 
     def on_start(self, task: Any) -> None:
         self.clock = _CudaClock() if task.device.type == "cuda" else _HostClock()
 
     def on_phase_start(self, task: Any) -> None:
-        self.sums = {p: 0.0 for p in PARTS}
-        self.count = 0
+        resumed, self._resumed = self._resumed, None
+        if task.phase_resumed and resumed is not None:  # the phase goes on: so do its sums
+            self.sums = {p: float(resumed["sums"].get(p, 0.0)) for p in PARTS}
+            self.count = int(resumed["count"])
+        else:
+            self.sums = {p: 0.0 for p in PARTS}
+            self.count = 0
         self._pending = []
         self._window = {p: 0.0 for p in PARTS}
         self._window_count = 0
@@ -82,6 +90,7 @@ class PerfStatsHook(SSLHook):
 
     def on_forward(self, task: Any) -> None:
         self._marks["forward"] = self.clock.mark()
+        self._data_time = float(task.last_data_time)
 
     def on_loss_and_meter(self, task: Any) -> None:
         self._marks["loss"] = self.clock.mark()
@@ -115,20 +124,25 @@ class PerfStatsHook(SSLHook):
             return
         self.clock.ready(self._pending[-1][1]["end"])
         for data, marks in self._pending:
-            parts = {p: 0.0 for p in PARTS}
-            parts["data"] = data
-            prev = marks["start"]
-            for part, key in _SEGMENTS:
-                if key in marks:
-                    parts[part] = self.clock.seconds(prev, marks[key])
-                    prev = marks[key]
-            parts["forward"] = max(0.0, parts["forward"] - data)
+            parts = self._parts(data, marks)
             for p in PARTS:
                 self.sums[p] += parts[p]
                 self._window[p] += parts[p]
         self.count += len(self._pending)
         self._window_count += len(self._pending)
         self._pending = []
+
+    def _parts(self, data: float, marks: Dict[str, Any]) -> Dict[str, float]:
+        """Seconds of each part of one step from its marks (its ``end`` mark ready)."""
+        parts = {p: 0.0 for p in PARTS}
+        parts["data"] = data
+        prev = marks["start"]
+        for part, key in _SEGMENTS:
+            if key in marks:
+                parts[part] = self.clock.seconds(prev, marks[key])
+                prev = marks[key]
+        parts["forward"] = max(0.0, parts["forward"] - data)
+        return parts
 
     def phase_averages(self) -> Dict[str, float]:
         """Milliseconds per iteration of each part in the current phase (this rank)."""
@@ -146,8 +160,16 @@ class PerfStatsHook(SSLHook):
         return {"perf_stats": out}
 
     def get_classy_state(self) -> Dict[str, Any]:
-        return {}
+        """The current phase's sums, so that a run resumed inside the phase averages all of it."""
+        self._resolve()
+        sums, count = dict(self.sums), int(self.count)
+        if "forward" in self._marks:  # an iteration checkpoint: its step ran, but on_step (last) has not recorded it
+            end = self.clock.mark()
+            self.clock.ready(end)
+            step = self._parts(self._data_time, {**self._marks, "end": end})
+            sums, count = {p: sums[p] + step[p] for p in PARTS}, count + 1
+        return {"sums": sums, "count": count}
 
     def set_classy_state(self, state: Dict[str, Any]) -> None:
-        pass
+        self._resumed = dict(state) if state and "sums" in state else None  # older checkpoints: {}
 

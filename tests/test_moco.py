@@ -155,3 +155,17 @@ def test_two_ranks_share_one_queue_and_shuffle_the_key_batch(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ck = classy_state(folder / "model_final_checkpoint_phase0.torch")
     assert int(ck["loss"]["queue_ptr"]) == (4 * 4) % 12  # 4 steps of 4 gathered keys
+
+
+def test_two_ranks_resume_exactly_while_the_initial_queue_is_still_in_use(tmp_path):
+    """Resumed at step 3 of 4 (12 of the queue's 16 keys replaced): the same final state as the
+    straight run (each rank drew its own initial queue; a checkpoint gives every rank rank 0's)."""
+    args = [QUICK, *SMALL, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2",
+            "config.LOSS.moco_loss.queue_size=16"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = run_tool([*args, f"config.CHECKPOINT.DIR={straight}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_tool([*args, f"config.CHECKPOINT.DIR={resumed}",
+                  f"config.CHECKPOINT.RESUME_FROM={straight / 'model_iteration3.torch'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_bitwise_equal(_final(straight), _final(resumed))

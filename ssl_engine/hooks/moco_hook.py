@@ -46,6 +46,11 @@ class MoCoHook(SSLHook):
             raise UserError("MoCoHook needs config.LOSS.name=moco_loss (the loss holds the momentum encoder)")
         if task.loss.moco_encoder is None:
             attach(copy.deepcopy(task.base_model))
+        if is_distributed():
+            # each rank drew its initial queue under its own seed; a checkpoint keeps rank 0's and
+            # gives it to every rank, so every rank starts from rank 0's (a no-op on resume): the
+            # run then computes the same whether or not it was resumed
+            dist.broadcast(task.loss.queue, src=0)
 
     @torch.no_grad()
     def _update_encoder(self, task: Any) -> None:

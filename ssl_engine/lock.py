@@ -199,6 +199,11 @@ class FolderLock:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                # the folder became read-only (or the disk went away) while the run held it: the
+                # run's own error, which an exception here would replace, is what the user must
+                # see; the lock file left behind is taken over as stale by the next run
+                log.warning("could not remove the lock file %s: %s", self.path, e.strerror or e)
         self.record = None
 
     # -- internals ------------------------------------------------------------------------

@@ -13,7 +13,9 @@
   integers and fixed words.
 """
 
+import errno
 import json
+import logging
 import os
 import re
 import signal
@@ -29,7 +31,7 @@ import torch
 
 from conftest import REPO, TOOL, run_tool, tool_env
 from ssl_engine import checkpoint as ck
-from ssl_engine.errors import FolderLockedError
+from ssl_engine.errors import CheckpointError, FolderLockedError
 from ssl_engine.lock import LOCK_NAME, FolderLock, check_folder_free
 
 BASE = [
@@ -647,3 +649,21 @@ def test_a_folder_where_the_run_writes_a_file_is_one_line(tmp_path, name):
                     timeout=300)
     assert proc.returncode == 2
     assert one_error_line(proc) == f"error: cannot use {run / name}: Is a directory"
+
+
+def test_a_folder_turned_read_only_keeps_the_runs_own_error_not_the_locks(tmp_path, monkeypatch, caplog):
+    # the run failed writing a checkpoint into a folder that became read-only; removing the lock
+    # file fails the same way and must not replace the run's error with its own
+    lock = FolderLock(tmp_path)
+    real_unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):
+        if self.name == LOCK_NAME:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError, match="cannot write model_iteration6"):
+        with lock:
+            raise CheckpointError("cannot write model_iteration6.torch in x: read-only file system")
+    assert "could not remove the lock file" in caplog.text and not lock.held

@@ -160,7 +160,10 @@ def test_wrong_types_name_key_value_and_expected_type(override, expected):
     "override, expected",
     [
         ("config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=-4 is out of range"),
-        ("config.OPTIMIZER.num_epochs=0", "config.OPTIMIZER.num_epochs=0 is out of range: expected an integer > 0"),
+        ("config.OPTIMIZER.num_epochs=0", "config.OPTIMIZER.num_epochs=0 is out of range: expected an integer in 1..1000000"),
+        # was a MemoryError traceback (or the OOM killer) while the phase list was built
+        ("config.OPTIMIZER.num_epochs=99999999999999999999",
+         "config.OPTIMIZER.num_epochs=99999999999999999999 is out of range: expected an integer in 1..1000000"),
         ("config.MACHINE.DEVICE=tpu", "config.MACHINE.DEVICE='tpu' is out of range: expected one of cpu, gpu"),
         ("config.LOG_FREQUENCY=0", "config.LOG_FREQUENCY=0 is out of range"),
         ("config.CHECKPOINT.DIR=", "config.CHECKPOINT.DIR='' is out of range: expected a folder path"),

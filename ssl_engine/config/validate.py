@@ -304,7 +304,8 @@ class _Walker:
 _RANGES = [
     ("LOG_FREQUENCY", lambda v: v > 0, "an integer > 0"),
     ("TEST_EVERY_NUM_EPOCH", lambda v: v > 0, "an integer > 0"),
-    ("OPTIMIZER.num_epochs", lambda v: v > 0, "an integer > 0"),
+    # the run builds its list of phases up front (two per epoch): 10**6 epochs take ~200 MB
+    ("OPTIMIZER.num_epochs", lambda v: 0 < v <= 1_000_000, "an integer in 1..1000000"),
     ("DATA.TRAIN.BATCHSIZE_PER_REPLICA", lambda v: v > 0, "an integer > 0"),
     ("DATA.TEST.BATCHSIZE_PER_REPLICA", lambda v: v > 0, "an integer > 0"),
     # an absolute bound only: this may run on a login node, not where the ranks run (they check

@@ -197,6 +197,16 @@ def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> Fea
         arrays = {k: np.load(parts[k], mmap_mode=mode, allow_pickle=False) for k in KINDS}
     except (ValueError, OSError, EOFError) as e:
         raise FeatureShardError(f"cannot read feature shard {parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*: {e}") from None
+    name = f"{parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*"
+    for kind, array in arrays.items():
+        # inds: one integer per sample; targets and features: numbers, one row per sample
+        wrong_dtype = array.dtype.kind not in ("iu" if kind == "inds" else "iufb")
+        if array.ndim == 0 or (kind == "inds" and array.ndim != 1) or wrong_dtype:
+            raise FeatureShardError(
+                f"feature shard {name}: its {kind} file holds a {array.dtype} array of shape {tuple(array.shape)}; "
+                f"{'inds are one integer per sample' if kind == 'inds' else kind + ' are numbers, one row per sample'}, "
+                f"extract again"
+            )
     n = {k: len(a) for k, a in arrays.items()}
     if len(set(n.values())) != 1:
         raise FeatureShardError(

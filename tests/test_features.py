@@ -180,6 +180,10 @@ def test_remove_shards_only_touches_the_split(tmp_path: Path) -> None:
         ("index_gap", "are missing"),
         ("shape", "has features \\(5,\\)"),
         ("rows", "rows"),
+        # were tracebacks (TypeError / ValueError) deep in load_features
+        ("scalar_inds", "its inds file holds a int64 array of shape \\(\\); inds are one integer per sample"),
+        ("2d_inds", "its inds file holds a int64 array of shape \\(8, 1\\)"),
+        ("str_targets", "its targets file holds a <U1 array of shape \\(8,\\); targets are numbers"),
     ],
 )
 def test_loader_explains_empty_or_inconsistent_folders(tmp_path: Path, damage: str, message: str) -> None:
@@ -205,6 +209,15 @@ def test_loader_explains_empty_or_inconsistent_folders(tmp_path: Path, damage: s
     elif damage == "rows":
         write_split(folder, "train", np.arange(8))
         save_npy(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.arange(3))
+    elif damage == "scalar_inds":
+        write_split(folder, "train", np.arange(8))
+        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.array(5))
+    elif damage == "2d_inds":
+        write_split(folder, "train", np.arange(8))
+        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.arange(8).reshape(8, 1))
+    elif damage == "str_targets":
+        write_split(folder, "train", np.arange(8))
+        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "targets"), np.array(list("abcdefgh")))
     with pytest.raises(FeatureShardError, match=message) as info:
         load_features(folder, "train", "res5avg")
     assert isinstance(info.value, UserError) and "\n" not in str(info.value)

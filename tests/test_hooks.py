@@ -923,6 +923,25 @@ def test_metrics_file_drops_lines_of_phases_the_run_will_redo(tmp_path: Path) ->
     assert path.stat().st_mtime_ns == before
 
 
+def test_damaged_metrics_lines_are_left_out_with_a_warning_and_the_file_kept_aside(tmp_path: Path, caplog) -> None:
+    from types import SimpleNamespace
+
+    path = tmp_path / "metrics.json"
+    lines = [json.dumps({"phase_idx": i, "train_loss": float(i)}) + "\n" for i in range(3)]
+    damaged = lines[0][:-4] + "\x00\n" + lines[1] + "garbage\n" + lines[2]
+    path.write_text(damaged)
+    with caplog.at_level(logging.WARNING):
+        MetricsHook(str(tmp_path)).on_start(SimpleNamespace(phase_idx=2, _resume_in_phase=False))
+    assert [r["phase_idx"] for r in read_metrics(path)] == [1, 2]
+    # was: dropped without a word; now named, and nothing is lost
+    assert "2 line(s) are not phase records and are left out; the file as it was is kept as " \
+           "metrics.json.unreadable" in caplog.text
+    assert (tmp_path / "metrics.json.unreadable").read_text() == damaged
+    path.write_text(damaged)  # a second time: the earlier copy stays, the new one gets the next name
+    MetricsHook(str(tmp_path)).on_start(SimpleNamespace(phase_idx=2, _resume_in_phase=False))
+    assert (tmp_path / "metrics.json.unreadable.1").read_text() == damaged
+
+
 def test_records_are_kept_by_what_they_are_not_by_their_phase_index() -> None:
     """The checkpoint's own (train_phase_idx, phase type, complete) decides, whatever phase_idx a
     record carries: a run with other test phases numbers its phases otherwise."""

@@ -66,6 +66,15 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
+def _free_name(path: Path) -> Path:
+    """``path`` or, when it exists, ``path.1``, ``path.2``, ...: a name nothing has yet."""
+    candidate, n = path, 0
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
 def flatten_metrics(record: Dict[str, Any], sep: str = "/") -> Dict[str, float]:
     """The numeric leaves of a (nested) phase record, keyed like 'test_accuracy_list_meter/top_1/0'."""
     flat: Dict[str, float] = {}
@@ -121,6 +130,12 @@ class MetricsHook(SSLHook):
         records = read_metrics(self.path)
         kept = [r for r in records if _phase_idx_readable(r) and done(r)]
         partial = bool(text) and not text.endswith("\n")
+        unreadable = text.count("\n") - len([r for r in records if _phase_idx_readable(r)])
+        if unreadable > 0:  # damaged whole lines (a half last line is a kill's, and expected): kept aside
+            aside = _free_name(self.path.with_name(self.path.name + ".unreadable"))
+            atomic_write_text(aside, text)
+            log.warning("%s: %d line(s) are not phase records and are left out; the file as it was is kept as %s",
+                        self.path, unreadable, aside.name)
         if len(kept) != len(records) or partial or len(records) != text.count("\n"):
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 

@@ -8,7 +8,7 @@ traceback, unless ``--debug`` or ``SSL_ENGINE_DEBUG=1`` asks for one.
 import difflib
 import errno
 import re
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 USER_ERROR_EXIT_CODE = 2
 PREEMPTED_EXIT_CODE = 3
@@ -102,6 +102,13 @@ def unwrap_worker_error(text: str) -> str:
 def one_line(text: str) -> str:
     """An error text as the single line the command-line tool prints."""
     return " ".join(unwrap_worker_error(str(text)).split())
+
+
+def first_few(items: Sequence[object], limit: int = 5, quote: bool = True) -> str:
+    """``'a', 'b', 'c' and 2 more``: the first ``limit`` items of a list for a message (repr'd
+    when ``quote``), and how many are left out."""
+    shown = ", ".join(repr(x) if quote else str(x) for x in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.5) -> List[str]:

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ssl_engine.errors import UserError
+from ssl_engine.errors import UserError, first_few
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def align_test_labels(
     train_classes, test_classes = list(train_classes), list(test_classes)
     unknown = [c for c in test_classes if c not in train_classes]
     if unknown:
-        shown = ", ".join(repr(c) for c in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        shown = first_few(unknown)
         return test_labels, (
             f"the test split has class folder(s) the train split lacks ({shown}); labels are compared by their ids "
             f"(each split numbers its own sorted class folders), which match classes only where the two folders "

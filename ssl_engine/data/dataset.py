@@ -34,7 +34,7 @@ from ssl_engine.data.sources import (
 )
 from ssl_engine.data.sampler import is_padded
 from ssl_engine.data.transforms import SSLTransformsWrapper, build_transforms
-from ssl_engine.errors import UserError, did_you_mean
+from ssl_engine.errors import UserError, did_you_mean, first_few
 from ssl_engine.registry import DATA_SOURCES
 
 logger = logging.getLogger(__name__)
@@ -495,7 +495,7 @@ def _number_as_training(cfg: Any, j: int, classes: List[str], labels: np.ndarray
     _, test_key = class_folder_of(cfg, "TEST", j)
     unknown = [c for c in classes if c not in reference]
     if unknown:
-        shown = ", ".join(repr(c) for c in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        shown = first_few(unknown)
         raise UserError(
             f"{test_key}: class folder(s) {shown} of {folder!r} are not classes of {train_key} ({train_folder!r}), "
             f"whose class folders number the labels the model learns; give the test folder the training's class "

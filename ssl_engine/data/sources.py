@@ -29,7 +29,7 @@ from typing import Any, FrozenSet, List, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
-from ssl_engine.errors import UserError
+from ssl_engine.errors import UserError, first_few
 from ssl_engine.registry import DATA_SOURCES
 
 logger = logging.getLogger(__name__)
@@ -313,7 +313,7 @@ def _check_no_empty_class(classes: List[str], labels: np.ndarray, path: str, key
     empty = [cls for cls, count in zip(classes, counts) if count == 0]
     if not empty:
         return
-    shown = ", ".join(repr(c) for c in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    shown = first_few(empty)
     raise UserError(
         f"{key}: {len(empty)} class folder(s) of {path!r} hold no images: {shown}; each subfolder is a class: put "
         f"images in them (extensions {', '.join(IMG_EXTENSIONS)}), or remove them from the folders of every split "

@@ -35,7 +35,7 @@ from ssl_engine.checkpoint import check_intact, list_checkpoints, load_checkpoin
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.validate import without_unextracted_splits
 from ssl_engine.distributed import RankInfo
-from ssl_engine.errors import CheckpointError, UserError
+from ssl_engine.errors import CheckpointError, UserError, first_few
 from ssl_engine.features import ShardWriter, remove_shards, write_extraction_status
 from ssl_engine.registry import ENGINES
 from ssl_engine.trainer import SelfSupervisionTrainer
@@ -97,7 +97,7 @@ def weights_checkpoint(cfg: AttrDict) -> Optional[str]:
         return str(found[0])
     unusable = [p.name for p in list_checkpoints(folder)]
     if unusable:  # a trained run whose files are all damaged: never extract a random model in its place
-        shown = ", ".join(unusable[:4]) + (f" and {len(unusable) - 4} more" if len(unusable) > 4 else "")
+        shown = first_few(unusable, 4, quote=False)
         raise CheckpointError(
             f"config.CHECKPOINT.DIR {folder}: none of its checkpoints can be used ({shown}; the warnings above say "
             f"why); name the weights to extract with config.CHECKPOINT.RESUME_FROM or "

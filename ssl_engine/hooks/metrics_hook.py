@@ -128,9 +128,10 @@ class MetricsHook(SSLHook):
         done = done_before_resume(task)
         text = self.path.read_text(encoding="utf-8", errors="replace")
         records = read_metrics(self.path)
-        kept = [r for r in records if _phase_idx_readable(r) and done(r)]
+        readable = [r for r in records if _phase_idx_readable(r)]
+        kept = [r for r in readable if done(r)]
         partial = bool(text) and not text.endswith("\n")
-        unreadable = text.count("\n") - len([r for r in records if _phase_idx_readable(r)])
+        unreadable = text.count("\n") - len(readable)
         if unreadable > 0:  # damaged whole lines (a half last line is a kill's, and expected): kept aside
             aside = _free_name(self.path.with_name(self.path.name + ".unreadable"))
             atomic_write_text(aside, text)

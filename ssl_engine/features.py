@@ -193,11 +193,11 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
 
 def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> FeatureShard:
     mode = "r" if mmap else None
+    name = f"{parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*"
     try:
         arrays = {k: np.load(parts[k], mmap_mode=mode, allow_pickle=False) for k in KINDS}
     except (ValueError, OSError, EOFError) as e:
-        raise FeatureShardError(f"cannot read feature shard {parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*: {e}") from None
-    name = f"{parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*"
+        raise FeatureShardError(f"cannot read feature shard {name}: {e}") from None
     for kind, array in arrays.items():
         # inds: one integer per sample; targets and features: numbers, one row per sample
         wrong_dtype = array.dtype.kind not in ("iu" if kind == "inds" else "iufb")

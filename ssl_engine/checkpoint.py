@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ssl_engine.errors import CheckpointError, UserError, is_url, url_error
+from ssl_engine.resume_state import state_problem
 
 log = logging.getLogger(__name__)
 
@@ -691,6 +692,10 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
             continue
         if not is_engine_checkpoint(data):
             log.warning("skipping %s: not an ssl_engine checkpoint", p.name)
+            continue
+        problem = state_problem(data)
+        if problem:
+            log.warning("skipping checkpoint %s: %s", p.name, problem)
             continue
         return p, data
     return None

@@ -50,6 +50,7 @@ class SelfSupervisionTrainer:
         """Build the task's parts, install hooks, then resume or initialise weights."""
         from ssl_engine.checkpoint import load_checkpoint, remove_stale_temp_files
         from ssl_engine.errors import CheckpointError
+        from ssl_engine.resume_state import from_vissl, written_by_vissl
 
         if du.is_primary():
             remove_stale_temp_files(self.checkpoint_folder)
@@ -60,8 +61,11 @@ class SelfSupervisionTrainer:
         if self.checkpoint_path:
             data = self._checkpoint if self._checkpoint is not None else load_checkpoint(self.checkpoint_path)
             self._checkpoint = None
+            state = data["classy_state_dict"]
+            if written_by_vissl(data):
+                state = from_vissl(data, getattr(task, "iters_per_epoch", None), str(self.checkpoint_path))
             try:
-                task.set_classy_state(data["classy_state_dict"])
+                task.set_classy_state(state)
             except CheckpointError as e:
                 raise CheckpointError(f"cannot resume from {self.checkpoint_path}: {e}") from None
             log.info("resumed from %s at phase %d, iteration %d", self.checkpoint_path, task.phase_idx, task.iteration)

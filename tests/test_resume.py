@@ -577,3 +577,109 @@ def test_training_on_with_another_optimizer_is_one_line_and_changed_values_are_t
         "classy_state_dict"]["optimizer"]["optimizer"]["param_groups"]
     assert {g["momentum"] for g in groups} == {0.5}
     assert {g["weight_decay"] for g in groups} - {0.0} == {0.01}
+
+
+def vissl_layout(ours, phase_idx, train_phase_idx):
+    """Checkpoint ``ours`` in VISSL 0.1.6's layout: classy_vision's task state (optimizer as
+    ``{"optim": ...}``, meters in classy's format, no loop position inside a phase) and VISSL's
+    counters at the top level, ``phase_idx`` / ``train_phase_idx`` of the last finished phase."""
+    s = ours["classy_state_dict"]
+    return {
+        "phase_idx": phase_idx, "train_phase_idx": train_phase_idx, "iteration": ours["iteration"],
+        "iteration_num": ours["iteration"] + 2 * train_phase_idx + 2, "loss": {},
+        "classy_state_dict": {
+            "train": True, "phase_idx": phase_idx, "train_phase_idx": train_phase_idx,
+            "num_updates": ours["iteration"], "base_model": s["base_model"],
+            "meters": [{"name": "accuracy_list_meter", "topk_values": [1, 5]}],
+            "optimizer": {"optim": s["optimizer"]["optimizer"]}, "losses": [], "hooks": {"checkpoint_hook": {}},
+            "loss": {},
+        },
+    }
+
+
+@pytest.mark.parametrize("written", ["phase", "iteration"])
+def test_a_folder_vissl_trained_in_goes_on_from_vissls_checkpoint(setup, reference, tmp_path, written):
+    """A VISSL user reruns the config in the folder VISSL trained in: the run goes on from VISSL's
+    checkpoint by VISSL's rule (an iteration checkpoint's batch is iteration - finished epochs x
+    batches per epoch) with its weights and optimizer state, and ends with the uninterrupted
+    run's model and optimizer bit for bit."""
+    root, cfg = setup
+    if written == "phase":  # the end of train phase 0 (phase 0 of VISSL's list)
+        ours = torch.load(str(reference[0] / "model_phase0.torch"), map_location="cpu", weights_only=True)
+        data, name = vissl_layout(ours, phase_idx=0, train_phase_idx=0), "model_phase0.torch"
+    else:  # 2 batches into train phase 1 (phase 2): VISSL stores phase 1 / train phase 0
+        ours = torch.load(str(reference[0] / "model_iteration8.torch"), map_location="cpu", weights_only=True)
+        data, name = vissl_layout(ours, phase_idx=1, train_phase_idx=0), "model_iteration8.torch"
+    folder = tmp_path / "vissl_folder"
+    folder.mkdir()
+    torch.save(data, str(folder / name))
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out and f"resumed from {folder / name}" in out, out[-3000:]
+    assert "does not fit this run" not in out, out[-3000:]
+    if written == "iteration":
+        assert "the run goes on in train phase 1 at batch 2 of 6" in out, out[-3000:]
+        steps = [json.loads(x) for x in (folder / "stdout.json").read_text().splitlines()]
+        assert [s["iteration"] for s in steps if s["phase_type"] == "train"][:1] == [9]
+    ref = tensors_of(reference[0] / "checkpoint.torch")
+    got = tensors_of(folder / "checkpoint.torch")
+    assert_bitwise_equal({k: ref[k] for k in ("model", "optimizer")}, {k: got[k] for k in ("model", "optimizer")})
+
+
+def test_vissl_optimizer_state_that_does_not_fit_starts_fresh_with_a_warning(setup, reference, tmp_path):
+    root, cfg = setup
+    ours = torch.load(str(reference[0] / "model_phase0.torch"), map_location="cpu", weights_only=True)
+    data = vissl_layout(ours, phase_idx=0, train_phase_idx=0)
+    optim = data["classy_state_dict"]["optimizer"]["optim"]
+    first = min(optim["state"])
+    optim["state"][first] = {"momentum_buffer": torch.zeros(3, 3)}  # another model's tensor
+    folder = tmp_path / "vissl_other"
+    folder.mkdir()
+    torch.save(data, str(folder / "model_phase0.torch"))
+    r = run(cfg, folder, "config.OPTIMIZER.num_epochs=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert ("VISSL's checkpoint: the state of the optimizer (the checkpoint's optimizer state does not fit this "
+            "model: its momentum_buffer of parameter 0 has shape [3, 3], the parameter [32, 192]) does not fit this "
+            "run and starts fresh") in out, out[-3000:]
+    assert (folder / "model_final_checkpoint_phase1.torch").exists()
+
+
+def test_a_checkpoint_with_impossible_counters_is_skipped_or_refused(setup, reference, tmp_path):
+    """A checkpoint whose loop counters are missing or out of range (a hand-edited or foreign
+    file) is skipped by auto-resume for the older one, and refused by name under RESUME_FROM
+    (exit 2, one line): never a KeyError, never a run counting from iteration -5."""
+    root, cfg = setup
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    for name in ("model_phase0.torch", "model_iteration8.torch"):
+        shutil.copy(reference[0] / name, folder / name)
+    bad = torch.load(str(folder / "model_iteration8.torch"), map_location="cpu", weights_only=True)
+    bad["classy_state_dict"]["iteration"] = -5
+    torch.save(bad, str(folder / "model_iteration8.torch"))
+    r = run(cfg, tmp_path / "explicit", f"config.CHECKPOINT.RESUME_FROM={folder / 'model_iteration8.torch'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: config.CHECKPOINT.RESUME_FROM: {folder / 'model_iteration8.torch'}: its classy_state_dict.iteration "
+        f"is -5, where a training checkpoint has an integer >= 0: it was not written by a training run, or was "
+        f"changed since; to start a new run from its weights use config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "skipping checkpoint model_iteration8.torch: its classy_state_dict.iteration is -5" in out, out[-3000:]
+    assert f"resumed from {folder / 'model_phase0.torch'}" in out
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+
+def test_a_checkpoint_without_optimizer_state_says_the_optimizer_starts_fresh(setup, reference, tmp_path):
+    root, cfg = setup
+    data = torch.load(str(reference[0] / "model_phase0.torch"), map_location="cpu", weights_only=True)
+    data["classy_state_dict"]["optimizer"] = {}
+    folder = tmp_path / "no_optimizer"
+    folder.mkdir()
+    torch.save(data, str(folder / "model_phase0.torch"))
+    r = run(cfg, folder, "config.OPTIMIZER.num_epochs=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("the checkpoint holds no optimizer state: the optimizer goes on from a fresh state (momentum and moment "
+            "estimates start at zero)") in r.stdout + r.stderr

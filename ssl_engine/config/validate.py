@@ -790,19 +790,24 @@ def check_resume_file(cfg: AttrDict) -> None:
     """CHECKPOINT.RESUME_FROM names an ssl_engine training checkpoint that loads without code."""
     from ssl_engine.checkpoint import is_engine_checkpoint, resume_from_file
     from ssl_engine.errors import CheckpointError
+    from ssl_engine.resume_state import state_problem
 
     if not cfg.CHECKPOINT.RESUME_FROM:
         return
     path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
     data = peek_checkpoint(path)
-    if cfg.engine_name == "train" and not (
-        is_engine_checkpoint(data) and isinstance(data["classy_state_dict"].get("base_model"), dict)
-    ):
+    if cfg.engine_name != "train":
+        return
+    if not is_engine_checkpoint(data):
         keys = ", ".join(map(str, list(data)[:8])) or "none"
         raise CheckpointError(
             f"config.CHECKPOINT.RESUME_FROM: {path} is not an ssl_engine training checkpoint (top-level keys: {keys}); "
             f"to start a new run from its weights use config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
         )
+    problem = state_problem(data)
+    if problem:
+        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path}: {problem}; to start a new run from its weights "
+                              f"use config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
 
 
 class _Quiet:

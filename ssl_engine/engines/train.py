@@ -23,6 +23,7 @@ from ssl_engine.errors import CheckpointError, UserError
 from ssl_engine.hooks import default_hooks
 from ssl_engine.lock import FolderLock
 from ssl_engine.registry import ENGINES
+from ssl_engine.resume_state import state_problem
 from ssl_engine.trainer import SelfSupervisionTrainer
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
                 f"config.CHECKPOINT.RESUME_FROM: {path} is not an ssl_engine checkpoint (no phase_idx / "
                 f"classy_state_dict); to start from its weights use config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
             )
+        problem = state_problem(data)
+        if problem:
+            raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {path}: {problem}; to start from its weights use "
+                                  f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
         return str(path), data
     if not cfg.CHECKPOINT.AUTO_RESUME:
         return None

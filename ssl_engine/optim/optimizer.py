@@ -290,6 +290,7 @@ class SSLOptimizer:
             )
         saved_groups = state["optimizer"]["param_groups"]
         self._check_same_kind(saved_groups, state.get("optimizer_class"))
+        self._check_shapes(state["optimizer"])
         # the config's values (momentum, weight_decay, betas, ...) win over the checkpoint's, as they
         # do in VISSL, whose schedules set every value again at the next step; the scheduled ones
         # are set below for the checkpoint's position
@@ -308,6 +309,30 @@ class SSLOptimizer:
         where = state.get("where")
         if where is not None:
             self.set_where(where)
+
+    def _check_shapes(self, saved: Mapping[str, Any]) -> None:
+        """Each saved per-parameter tensor (momentum buffer, moments) has its parameter's shape.
+
+        torch's own load matches the state to the parameters by position and checks only the
+        group sizes: state of other tensors would load and fail (or train wrongly) later.
+        """
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        saved_ids = [i for g in saved["param_groups"] for i in g.get("params", [])]
+        if len(saved_ids) != len(params):
+            raise CheckpointError(
+                f"the checkpoint's optimizer holds {len(saved_ids)} parameters, this model trains {len(params)}"
+            )
+        position = {pid: n for n, pid in enumerate(saved_ids)}
+        for pid, values in (saved.get("state") or {}).items():
+            n = position.get(pid)
+            if n is None or not isinstance(values, Mapping):
+                continue
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != params[n].shape:
+                    raise CheckpointError(
+                        f"the checkpoint's optimizer state does not fit this model: its {name} of parameter {n} "
+                        f"has shape {list(value.shape)}, the parameter {list(params[n].shape)}"
+                    )
 
     def _check_same_kind(self, saved_groups: List[Mapping[str, Any]], saved_class: Optional[str]) -> None:
         """A checkpoint of another optimizer (sgd against adam, lars, ...) cannot give this one its

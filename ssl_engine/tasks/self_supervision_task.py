@@ -17,9 +17,10 @@ from classy_vision.tasks.classy_task import ClassyTask
 
 from ssl_engine import distributed as du
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import UserError
+from ssl_engine.errors import CheckpointError, UserError
 from ssl_engine.hooks.base import EVENTS, order_hooks
 from ssl_engine.registry import TASKS, TRAIN_STEPS
+from ssl_engine.resume_state import WRITTEN_BY_VISSL
 from ssl_engine.rng import get_rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -436,8 +437,6 @@ class SelfSupervisionTask(ClassyTask):
         """Load ``{"model": {"trunk": ..., "heads": ...}}`` (the trunk alone with ``trunk_only``);
         CheckpointError when the weights are missing or do not fit this model (a model config
         changed since they were written), ending with ``fix`` (default: a training run's way out)."""
-        from ssl_engine.errors import CheckpointError
-
         m = self.base_model
         try:
             weights = state["model"]
@@ -515,6 +514,27 @@ class SelfSupervisionTask(ClassyTask):
             "num_samples": int(samples if samples is not None else len(loader.dataset)),
             "batches": int(self.batches_per_phase.get(split, len(loader))),
         }
+
+    def _set_vissl_optimizer_and_loss(self, state: Dict[str, Any]) -> None:
+        """The optimizer and loss state of a VISSL checkpoint, each where it fits this run's
+        (VISSL builds the same regularized / not-regularized param groups in model order); what
+        does not fit starts fresh, with one warning that names it."""
+        fresh = []
+        if self.optimizer is not None:
+            if not state.get("optimizer"):
+                fresh.append("the optimizer (the checkpoint holds no state of it)")
+            else:
+                try:
+                    self.optimizer.load_state_dict(state["optimizer"])
+                except (CheckpointError, ValueError, KeyError, TypeError) as e:
+                    fresh.append(f"the optimizer ({e})")
+        if self.loss is not None and state.get("loss"):
+            try:
+                self.loss.load_state_dict(state["loss"])
+            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                fresh.append(f"the loss ({' '.join(str(e).split())[:200]})")
+        if fresh and du.is_primary():
+            log.warning("VISSL's checkpoint: the state of %s does not fit this run and starts fresh", " and of ".join(fresh))
 
     def _resume_phase_idx(self, state: Dict[str, Any]) -> Tuple[int, bool]:
         """(index in this config's phases of the checkpoint's phase, whether it is that same phase).
@@ -642,10 +662,16 @@ class SelfSupervisionTask(ClassyTask):
                 state["num_phases"], len(self.phases),
             )
         self.load_model_state(state["base_model"])
-        if self.loss is not None and state.get("loss"):
-            self.loss.load_state_dict(state["loss"])
-        if self.optimizer is not None and state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("written_by") == WRITTEN_BY_VISSL:
+            self._set_vissl_optimizer_and_loss(state)
+        else:
+            if self.loss is not None and state.get("loss"):
+                self.loss.load_state_dict(state["loss"])
+            if self.optimizer is not None and state.get("optimizer"):
+                self.optimizer.load_state_dict(state["optimizer"])
+            elif self.optimizer is not None and int(state["iteration"]) > 0 and du.is_primary():
+                log.warning("the checkpoint holds no optimizer state: the optimizer goes on from a fresh state "
+                            "(momentum and moment estimates start at zero)")
         rank_states = state.get("rank_states")
         lost = None
         if rank_states:

@@ -14,6 +14,7 @@ A lock held from another host cannot be checked from here; the message says whic
 delete once that run is known to be gone.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -22,21 +23,27 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from ssl_engine.errors import FolderLockedError, UserError
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "train.lock"
+EXTRACT_LOCK_NAME = "extract.lock"
+# what holds each kind of lock, and the key that names its folder (for the messages)
+_KINDS = {
+    LOCK_NAME: ("training run", "checkpoint folder", "config.CHECKPOINT.DIR"),
+    EXTRACT_LOCK_NAME: ("feature extraction", "feature folder", "config.EXTRACT_FEATURES.OUTPUT_DIR"),
+}
 _TAKEOVER_SUFFIX = ".takeover"
 _STALE_TAKEOVER_SECONDS = 30.0  # a takeover guard older than this was left by a process that died
 _UNREADABLE_GRACE_SECONDS = 5.0  # an empty/garbled lock younger than this is still being written
 
 
-def lock_path(folder: Any) -> Path:
-    """Where the lock of a checkpoint folder lives."""
-    return Path(str(folder)).expanduser() / LOCK_NAME
+def lock_path(folder: Any, name: str = LOCK_NAME) -> Path:
+    """Where the lock of a checkpoint folder (or, with EXTRACT_LOCK_NAME, a feature folder) lives."""
+    return Path(str(folder)).expanduser() / name
 
 
 def _process_start_ticks(pid: int) -> Optional[int]:
@@ -112,20 +119,21 @@ def describe_owner(owner: Dict[str, Any]) -> str:
 
 def _refusal(path: Path, owner: Dict[str, Any], gone: Optional[bool]) -> FolderLockedError:
     folder = path.parent
+    who, what, key = _KINDS.get(path.name, _KINDS[LOCK_NAME])
     if gone is None:
         return FolderLockedError(
-            f"checkpoint folder {folder} is locked by another training run ({describe_owner(owner)}); its host "
-            f"cannot be checked from here. Use another config.CHECKPOINT.DIR, or delete {path} once that run has ended"
+            f"{what} {folder} is locked by another {who} ({describe_owner(owner)}); its host "
+            f"cannot be checked from here. Use another {key}, or delete {path} once that run has ended"
         )
     return FolderLockedError(
-        f"checkpoint folder {folder} is in use by another training run ({describe_owner(owner)}; lock file {path}); "
-        f"wait for it to end or use another config.CHECKPOINT.DIR"
+        f"{what} {folder} is in use by another {who} ({describe_owner(owner)}; lock file {path}); "
+        f"wait for it to end or use another {key}"
     )
 
 
-def check_folder_free(folder: Any) -> None:
+def check_folder_free(folder: Any, name: str = LOCK_NAME) -> None:
     """Raise FolderLockedError when a live run holds the folder's lock (changes nothing on disk)."""
-    path = lock_path(folder)
+    path = lock_path(folder, name)
     raw = _read(path)
     if raw is None:
         return
@@ -138,10 +146,11 @@ def check_folder_free(folder: Any) -> None:
 
 
 class FolderLock:
-    """The lock of one checkpoint folder, held by this process between acquire() and release()."""
+    """The lock of one checkpoint folder (or feature folder: ``name=EXTRACT_LOCK_NAME``), held by
+    this process between acquire() and release()."""
 
-    def __init__(self, folder: Any) -> None:
-        self.path = lock_path(folder)
+    def __init__(self, folder: Any, name: str = LOCK_NAME) -> None:
+        self.path = lock_path(folder, name)
         self.record: Optional[Dict[str, Any]] = None
 
     def __enter__(self) -> "FolderLock":
@@ -182,8 +191,8 @@ class FolderLock:
             if not gone:
                 raise _refusal(self.path, owner, gone)
             log.warning(
-                "taking over the stale lock of checkpoint folder %s: its owner (%s) no longer runs",
-                self.path.parent, describe_owner(owner),
+                "taking over the stale lock of %s %s: its owner (%s) no longer runs",
+                _KINDS.get(self.path.name, _KINDS[LOCK_NAME])[1], self.path.parent, describe_owner(owner),
             )
             self._remove_if_unchanged(raw)
             if time.monotonic() > deadline:
@@ -256,3 +265,27 @@ class FolderLock:
                 guard.unlink()
             except FileNotFoundError:
                 pass
+
+
+@contextlib.contextmanager
+def held_by_rank0(folder: Any, name: str = LOCK_NAME) -> Iterator[bool]:
+    """Rank 0 holds the lock of ``folder`` for the block. Every rank learns whether it got it:
+    the block sees True, or, on ranks > 0 when rank 0 was refused, False (they stop quietly
+    while rank 0 raises the refusal). Released at the end of the block, also on an error."""
+    from ssl_engine import distributed as du
+
+    lock = FolderLock(folder, name) if du.is_primary() else None
+    error: Optional[UserError] = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except UserError as e:
+            error = e
+    ok = du.all_gather_object(error is None)[0] if du.get_world_size() > 1 else error is None
+    if error is not None:
+        raise error
+    try:
+        yield ok
+    finally:
+        if lock is not None:
+            lock.release()

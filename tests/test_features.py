@@ -689,3 +689,41 @@ def test_align_test_labels_renumbers_a_subset_by_name_and_leaves_other_classes_a
     kept, note = align_test_labels(["a", "b"], ["a", "x"], np.array([0, 1]))
     assert kept.tolist() == [0, 1] and "'x'" in note and "compared by their ids" in note
     assert align_test_labels(None, ["a"], np.array([0]))[1] is None  # shards written by VISSL: nothing to compare
+
+
+HOLD_EXTRACT = ("from ssl_engine.lock import FolderLock, EXTRACT_LOCK_NAME; import sys, time; "
+                "l = FolderLock(sys.argv[1], EXTRACT_LOCK_NAME); l.acquire(); print('held', flush=True); time.sleep(60)")
+
+
+def test_a_second_extraction_into_a_folder_in_use_is_refused_naming_the_first(pretrained: Path, tmp_path: Path) -> None:
+    """Two extractions into one folder would remove and mix each other's shards (of two models):
+    the second is refused by name, before it touches a file; a finished one leaves no lock."""
+    import os
+    import socket
+    import sys
+
+    from conftest import tool_env
+
+    out = tmp_path / "features"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    args = ["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
+            f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", *DIGITS_SMALL]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_EXTRACT, str(out)], stdout=subprocess.PIPE, text=True,
+                              env=tool_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = tool(args, ok=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: feature folder {out} is in use by another feature extraction (pid {holder.pid} on host "
+            f"{socket.gethostname()}, started " + proc.stderr.split("started ", 1)[1].split(";")[0]
+            + f"; lock file {out / 'extract.lock'}); wait for it to end or use another "
+            f"config.EXTRACT_FEATURES.OUTPUT_DIR")
+        assert sorted(os.listdir(out)) == ["extract.lock", "keep.txt"]
+    finally:
+        holder.kill()
+        holder.wait()
+    tool(args)  # the holder is gone: its lock is stale and taken over
+    assert not (out / "extract.lock").exists()
+    assert (out / "extraction_train.json").exists() and (out / "keep.txt").exists()

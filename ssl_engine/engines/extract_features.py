@@ -37,6 +37,7 @@ from ssl_engine.config.validate import without_unextracted_splits
 from ssl_engine.distributed import RankInfo
 from ssl_engine.errors import CheckpointError, UserError, first_few
 from ssl_engine.features import ShardWriter, remove_shards, write_extraction_status
+from ssl_engine.lock import EXTRACT_LOCK_NAME, held_by_rank0
 from ssl_engine.registry import ENGINES
 from ssl_engine.trainer import SelfSupervisionTrainer
 
@@ -283,4 +284,6 @@ def extract_features_engine(cfg: AttrDict, info: RankInfo) -> Any:
     extraction_splits(ext_cfg)  # check the splits before building anything
     trainer = SelfSupervisionTrainer(ext_cfg, info.init_method, weights_checkpoint(ext_cfg), str(cfg.CHECKPOINT.DIR), [],
                                      local_rank=info.local_rank)
-    return trainer.extract()
+    # one extraction writes a feature folder at a time: two would remove and mix each other's shards
+    with held_by_rank0(output_dir(ext_cfg), EXTRACT_LOCK_NAME) as held:
+        return trainer.extract() if held else None

@@ -21,7 +21,7 @@ from ssl_engine.config.compose import to_yaml
 from ssl_engine.distributed import RankInfo
 from ssl_engine.errors import CheckpointError, UserError
 from ssl_engine.hooks import default_hooks
-from ssl_engine.lock import FolderLock
+from ssl_engine.lock import held_by_rank0
 from ssl_engine.registry import ENGINES
 from ssl_engine.resume_state import state_problem
 from ssl_engine.trainer import SelfSupervisionTrainer
@@ -94,32 +94,11 @@ class _Trainer(SelfSupervisionTrainer):
         return task
 
 
-def _take_folder_lock(lock: Optional[FolderLock]) -> bool:
-    """Rank 0 takes the folder lock; every rank learns whether it got it (ranks > 0 then stop
-    quietly and rank 0 raises the reason)."""
-    error: Optional[UserError] = None
-    if lock is not None:
-        try:
-            lock.acquire()
-        except UserError as e:
-            error = e
-    ok = du.all_gather_object(error is None)[0] if du.get_world_size() > 1 else error is None
-    if error is not None:
-        raise error
-    return ok
-
-
 @ENGINES.register("train")
 def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
     folder = Path(cfg.CHECKPOINT.DIR)
-    lock = FolderLock(folder) if du.is_primary() else None
-    if not _take_folder_lock(lock):
-        return None
-    try:
-        return _train(cfg, info, folder)
-    finally:
-        if lock is not None:
-            lock.release()
+    with held_by_rank0(folder) as held:
+        return _train(cfg, info, folder) if held else None
 
 
 def _refuse_training_checkpoint_for_test_only(cfg: AttrDict, path: str, train_phase_idx: int) -> None:

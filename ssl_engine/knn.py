@@ -89,7 +89,8 @@ def knn_accuracy(
     [N] and [M]. ``topk`` is capped at N. ``num_classes`` defaults to the largest label + 1.
     ``l2_norm``: compare L2-normalised features (cosine); False: raw dot products.
     """
-    train = _as_tensor(np.asarray(train_features).reshape(len(train_features), -1), torch.float32).to(device)
+    train_rows = np.asarray(train_features).reshape(len(train_features), -1)
+    train = _as_tensor(train_rows, torch.float32).to(device)
     test = np.asarray(test_features).reshape(len(test_features), -1)
     ytrain = _as_tensor(_labels(train_labels), torch.int64).to(device)
     ytest = _as_tensor(_labels(test_labels), torch.int64)
@@ -104,6 +105,8 @@ def knn_accuracy(
         raise UserError(f"kNN: train features have dim {train.shape[1]} but test features have dim {test.shape[1]}")
     if int(ytrain.min()) < 0:
         raise UserError("kNN: the train features have no labels (negative targets); extract with LABEL_SOURCES set")
+    _check_finite("train", train_rows, chunk_size)
+    _check_finite("test", test, chunk_size)
     if topk < 1 or sigma <= 0 or chunk_size < 1:
         raise UserError(f"kNN: TOPK={topk} and TEST_CHUNK_SIZE={chunk_size} must be >= 1, SIGMA={sigma} > 0")
     classes = int(num_classes) if num_classes else int(max(int(ytrain.max()), int(ytest.max())) + 1)
@@ -126,6 +129,26 @@ def knn_accuracy(
         for kk in ks:
             correct[kk] += int(hit[:, :kk].any(dim=1).sum())
     return {kk: 100.0 * correct[kk] / len(test) for kk in ks}
+
+
+def _check_finite(split: str, features: np.ndarray, chunk_size: int) -> None:
+    """A UserError when rows of ``features`` hold NaN or inf: no neighbour of such a row can be
+    ranked, and the accuracy would be a number that means nothing. Checked chunk by chunk (no
+    second full-size array)."""
+    bad, first = 0, -1
+    step = max(1, int(chunk_size))
+    for start in range(0, len(features), step):
+        rows = ~np.isfinite(features[start:start + step]).all(axis=1)
+        if rows.any():
+            if first < 0:
+                first = start + int(np.argmax(rows))
+            bad += int(rows.sum())
+    if bad:
+        raise UserError(
+            f"kNN: {bad} of {len(features)} {split} features hold NaN or inf values (the first is row {first}); the "
+            f"model that gave them does not compute finite outputs (did its training diverge?), so no neighbour can "
+            f"be ranked: extract them again from finite weights"
+        )
 
 
 def knn_on_folder(

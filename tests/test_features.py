@@ -727,3 +727,31 @@ def test_a_second_extraction_into_a_folder_in_use_is_refused_naming_the_first(pr
     tool(args)  # the holder is gone: its lock is stale and taken over
     assert not (out / "extract.lock").exists()
     assert (out / "extraction_train.json").exists() and (out / "keep.txt").exists()
+
+
+def test_knn_on_features_with_nan_rows_is_one_line_naming_the_split(tmp_path: Path, capsys) -> None:
+    """Features of a diverged model hold NaN: the kNN tool says so (exit 2) instead of printing an
+    accuracy computed from rows that rank nowhere."""
+    for split, n in (("TRAIN", 12), ("TEST", 6)):
+        writer = ShardWriter(tmp_path, 0, split, 0)
+        feats = np.random.default_rng(0).normal(size=(n, 4)).astype(np.float32)
+        if split == "TRAIN":
+            feats[[3, 7], 1] = np.nan
+        writer.add({"res5avg": feats}, np.arange(n) % 3, np.arange(n))
+        writer.close()
+        write_extraction_status(tmp_path, split, "complete", samples=n, label_type="standard")
+    spec = importlib.util.spec_from_file_location("nearest_neighbor_test", NN_TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == (
+        "error: kNN: 2 of 12 train features hold NaN or inf values (the first is row 3); the model that gave them does "
+        "not compute finite outputs (did its training diverge?), so no neighbour can be ranked: extract them again "
+        "from finite weights"), err
+    # the same check on the test side, chunk by chunk
+    train = np.ones((4, 2), np.float32)
+    test = np.ones((5, 2), np.float32)
+    test[4, 0] = np.inf
+    with pytest.raises(UserError, match=r"1 of 5 test features hold NaN or inf values \(the first is row 4\)"):
+        knn_accuracy(train, np.zeros(4, int), test, np.zeros(5, int), chunk_size=2)

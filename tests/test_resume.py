@@ -140,11 +140,12 @@ def tensors_of(path):
 
 
 def losses(folder):
-    """iteration -> loss, as logged in stdout.json (once per iteration, also after a resume)."""
+    """iteration -> (loss, avg_loss since the last line), as logged in stdout.json (once per
+    iteration, also after a resume)."""
     out = {}
     for line in (Path(folder) / "stdout.json").read_text().splitlines():
         r = json.loads(line)
-        out[r["iteration"]] = r["loss"]
+        out[r["iteration"]] = (r["loss"], r["avg_loss"])
     return out
 
 
@@ -683,3 +684,21 @@ def test_a_checkpoint_without_optimizer_state_says_the_optimizer_starts_fresh(se
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("the checkpoint holds no optimizer state: the optimizer goes on from a fresh state (momentum and moment "
             "estimates start at zero)") in r.stdout + r.stderr
+
+
+def test_a_run_resumed_inside_a_logging_window_logs_the_same_avg_loss(setup, tmp_path):
+    """avg_loss in stdout.json averages the losses since the previous line: a run killed between two
+    lines (at iteration 10, after its line; last checkpoint at 9, lines at 8 and 10) goes on with the
+    checkpoint's window, and logs every line as the uninterrupted run does, avg_loss included."""
+    root, cfg = setup
+    extra = ["config.LOG_FREQUENCY=4", "config.OPTIMIZER.num_epochs=2", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=3",
+             "config.CHECKPOINT.ASYNC_WRITE=false"]  # iteration 9's file is on disk when step 10 is killed
+    ref = tmp_path / "ref"
+    assert run(cfg, ref, *extra).returncode == 0
+    folder = tmp_path / "killed"
+    assert run(cfg, folder, *extra, kill="step:10").returncode == -signal.SIGKILL
+    assert (folder / "checkpoint.torch").resolve().name == "model_iteration9.torch"
+    r = run(cfg, folder, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(losses(ref)) == [1, 4, 5, 8, 10, 12]
+    assert losses(folder) == losses(ref)

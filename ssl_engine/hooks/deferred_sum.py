@@ -20,6 +20,7 @@ class DeferredSum:
         self._values: List[torch.Tensor] = []
         self._weights: List[float] = []
         self._folded: Optional[torch.Tensor] = None  # on the values' device, no host read
+        self._carry = 0.0  # a total restored from a checkpoint (see restore), on the host
         self.weight = 0.0
 
     def __len__(self) -> int:
@@ -46,10 +47,15 @@ class DeferredSum:
     def total(self) -> float:
         """The weighted sum so far (one host read); 0.0 when nothing was added."""
         if self._values and self._folded is None and self._values[0].device.type == "cpu":
-            # nothing to wait for on the CPU: reading each value beats building tensors to combine them
-            return float(sum(float(v) * w for v, w in zip(self._values, self._weights)))
+            # nothing to wait for on the CPU: reading each value beats building tensors to combine
+            # them; added left to right from the carry, so a total restored mid-way and continued
+            # equals the uninterrupted one bit for bit
+            total = self._carry
+            for v, w in zip(self._values, self._weights):
+                total += float(v) * w
+            return total
         t = self._device_total()
-        return 0.0 if t is None else float(t.item())
+        return self._carry + (0.0 if t is None else float(t.item()))
 
     def mean(self) -> float:
         """Weighted mean, NaN when nothing was added."""
@@ -57,3 +63,9 @@ class DeferredSum:
 
     def clear(self) -> None:
         self._values, self._weights, self._folded, self.weight = [], [], None, 0.0
+        self._carry = 0.0
+
+    def restore(self, total: float, weight: float) -> None:
+        """Start again from a ``total`` and ``weight`` read earlier (a checkpoint's)."""
+        self.clear()
+        self._carry, self.weight = float(total), float(weight)

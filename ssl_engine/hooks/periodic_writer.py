@@ -181,6 +181,9 @@ class PeriodicWriterHook(SSLHook):
     """Logs loss, lr, data/batch time, ETA and peak memory every LOG_FREQUENCY iterations."""
 
     priority = Priority.LOW
+    # each rank's loss window since the last log line: a run resumed inside that window logs the
+    # same avg_loss as the uninterrupted run (see the task's rank-local state)
+    rank_local_state = True
 
     def __init__(self, log_frequency: int, writers: List[Writer], log_test_phases: bool = False) -> None:
         super().__init__()
@@ -205,7 +208,8 @@ class PeriodicWriterHook(SSLHook):
                     rewind(logged, task.iteration)
 
     def on_phase_start(self, task: Any) -> None:
-        self._losses.clear()
+        if not getattr(task, "phase_resumed", False):  # else the checkpoint's window goes on
+            self._losses.clear()
         self._data_time = 0.0
         self._t_last = time.perf_counter()
         self._batch_time_sum, self._timed_steps = 0.0, 0
@@ -227,6 +231,12 @@ class PeriodicWriterHook(SSLHook):
                 self._emit(task)
         elif self.log_test_phases and task.local_iteration_num % self.log_frequency == 0:
             self._emit(task)
+
+    def get_classy_state(self) -> Dict[str, Any]:
+        return {"loss_sum": self._losses.total(), "loss_weight": self._losses.weight}
+
+    def set_classy_state(self, state: Dict[str, Any]) -> None:
+        self._losses.restore(float(state.get("loss_sum", 0.0)), float(state.get("loss_weight", 0.0)))
 
     def _emit(self, task: Any) -> None:
         loss_now = float(task.last_loss.float().item()) if task.last_loss is not None else float("nan")

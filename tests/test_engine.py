@@ -492,3 +492,20 @@ def test_rotnet_trains_on_the_rotation_labels_img_rotate_pil_sets(tmp_path: Path
     assert r.stderr.strip().splitlines()[-1].endswith(
         "has label 3 (set by ImgRotatePil in config.DATA.TRAIN.TRANSFORMS); make that head output at least 4 classes "
         "(for mlp/eval_mlp the last entry of its dims)")
+
+
+def test_without_the_training_meter_train_phases_report_no_meter_values(tmp_path: Path) -> None:
+    """METERS.enable_training_meter false leaves the meters out of train phases (as VISSL's metrics
+    file and log do): no train_<meter> value in metrics.json, where 0% would be a false result.
+    Test phases report theirs."""
+    r = run_tool(["config=quick/supervised_digits", f"config.CHECKPOINT.DIR={tmp_path}", "config.OPTIMIZER.num_epochs=1",
+                  "config.DATA.TRAIN.DATA_LIMIT=32", "config.DATA.TEST.DATA_LIMIT=16", "config.DATA.NUM_DATALOADER_WORKERS=0",
+                  "config.METERS.enable_training_meter=false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.json").read_text().splitlines()]
+    train = [x for x in lines if "train_loss" in x]
+    test = [x for x in lines if "test_loss" in x]
+    assert len(train) == 1 and len(test) == 1, lines
+    assert not [k for k in train[0] if k.startswith("train_") and k != "train_loss" and k != "train_phase_idx"], train
+    assert "test_accuracy_list_meter" in test[0], test
+    assert "train phase 0 done: loss" in r.stdout and "accuracy_list_meter" not in r.stdout.split("train phase 0 done")[1].splitlines()[0]

@@ -188,7 +188,8 @@ class MetricsHook(SSLHook):
             "train_phase_idx": task.train_phase_idx,
             f"{pt}_loss": mean_loss,
         }
-        values: Dict[str, Any] = {m.name: m.value for m in task.meters}
+        meters = getattr(task, "phase_meters", task.meters)  # no train values without the training meter
+        values: Dict[str, Any] = {m.name: m.value for m in meters}
         for hook in task.hooks:  # e.g. the EMA model's meters, the perf stats breakdown
             extra = getattr(hook, "phase_metrics", None)
             if extra is not None and hook is not self:

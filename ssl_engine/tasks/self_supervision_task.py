@@ -396,8 +396,16 @@ class SelfSupervisionTask(ClassyTask):
             if getattr(loader, "_iterator", None) is not None:
                 loader._iterator = None  # a persistent iterator whose workers are gone
 
+    @property
+    def phase_meters(self) -> List[Any]:
+        """The meters the current phase updates: all of them in a test phase, none in a train
+        phase with METERS.enable_training_meter false (their values would be an empty count)."""
+        if self.train and not self.config.METERS.get("enable_training_meter", True):
+            return []
+        return list(self.meters)
+
     def sync_meters(self) -> None:
-        for m in self.meters:
+        for m in self.phase_meters:
             m.sync_state()
 
     # -- ClassyTask's abstract API, mapped onto the hook events -------------------------------

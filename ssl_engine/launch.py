@@ -502,9 +502,30 @@ def spawn_ranks(cfg: AttrDict, node_id: int = 0) -> int:
 # ---------------------------------------------------------------------------- entry point
 
 
+def set_nccl_env(cfg: AttrDict) -> None:
+    """DISTRIBUTED.NCCL_DEBUG (NCCL_DEBUG=INFO) and NCCL_SOCKET_NTHREADS, as VISSL sets them, for
+    the ranks this process starts (they inherit its environment). A variable the environment
+    already sets is left as it is: the user's shell wins."""
+    d = cfg.DISTRIBUTED
+    if d.get("NCCL_DEBUG"):
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+    threads = d.get("NCCL_SOCKET_NTHREADS")
+    if threads in (None, ""):
+        return
+    try:
+        n = int(str(threads))
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 16:
+        raise ConfigError(f"config.DISTRIBUTED.NCCL_SOCKET_NTHREADS={threads!r} must be an integer from 1 to 16 "
+                          f"(NCCL's range), or empty to leave NCCL's default")
+    os.environ.setdefault("NCCL_SOCKET_NTHREADS", str(n))
+
+
 def launch(cfg: AttrDict, node_id: int = 0) -> int:
     """Run ``cfg`` as asked by its DISTRIBUTED / SLURM settings; returns the exit code."""
     check_devices(cfg)
+    set_nccl_env(cfg)
     if cfg.SLURM.USE_SLURM:
         from ssl_engine.slurm import submit
 

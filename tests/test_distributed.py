@@ -811,3 +811,32 @@ def test_killed_run_leaves_no_forkserver_workers(tmp_path: Path) -> None:
             proc.kill()
         for pid in processes_with(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_nccl_keys_set_the_environment_of_the_ranks(tmp_path: Path) -> None:
+    """DISTRIBUTED.NCCL_DEBUG and NCCL_SOCKET_NTHREADS reach the ranks' environment (as VISSL sets
+    them); a value the shell already exports wins; an out-of-range thread count is one line, exit 2."""
+    (tmp_path / "envprobe.py").write_text(
+        "import json, os\n"
+        "def show(task):\n"
+        f"    open({str(tmp_path / 'env.json')!r}, 'w').write(json.dumps({{k: os.environ.get(k) for k in "
+        "('NCCL_DEBUG', 'NCCL_SOCKET_NTHREADS')}))\n")
+    base = ["config=quick/simclr_synthetic", "config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.DATA_LIMIT=8",
+            "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DATA.NUM_DATALOADER_WORKERS=0",
+            f"config.USER_MODULES=[{tmp_path / 'envprobe.py'}]",
+            "+config.HOOKS.CUSTOM=[{name: CallbackHook, params: {on_start: 'envprobe:show'}}]"]
+    clean = {k: v for k, v in tool_env().items() if not k.startswith("NCCL_")}
+    r = subprocess.run([sys.executable, TOOL, *base, f"config.CHECKPOINT.DIR={tmp_path / 'a'}",
+                        "config.DISTRIBUTED.NCCL_DEBUG=true", "config.DISTRIBUTED.NCCL_SOCKET_NTHREADS=4"],
+                       cwd=str(REPO), env=clean, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "env.json").read_text()) == {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_NTHREADS": "4"}
+    r = subprocess.run([sys.executable, TOOL, *base, f"config.CHECKPOINT.DIR={tmp_path / 'b'}",
+                        "config.DISTRIBUTED.NCCL_DEBUG=true"], cwd=str(REPO), env={**clean, "NCCL_DEBUG": "WARN"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "env.json").read_text()) == {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_NTHREADS": None}
+    r = run_tool([*base, f"config.CHECKPOINT.DIR={tmp_path / 'c'}", "config.DISTRIBUTED.NCCL_SOCKET_NTHREADS=64"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: config.DISTRIBUTED.NCCL_SOCKET_NTHREADS='64' must be an integer from 1 to 16 (NCCL's range), or empty "
+        "to leave NCCL's default")

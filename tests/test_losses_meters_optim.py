@@ -698,3 +698,23 @@ def test_a_schedule_option_the_schedule_does_not_read_is_named(caplog):
         build_lr_scheduler({"name": "cosine", "start_value": 0.1, "end_value": 0.0, "value": 0.1,
                             "values": [0.1, 0.01, 0.001], "milestones": [30, 60]}, 10, 256)
     assert "not read" not in caplog.text
+
+
+def test_simclr_embedding_dim_is_checked_against_the_head_before_launch_and_the_embeddings(tmp_path):
+    """VISSL asserts buffer_params.embedding_dim against the embeddings; here a head of another
+    size is one line before any process starts, and the loss names the key at the first step."""
+    from conftest import run_tool
+
+    loss = build_loss(AttrDict({"name": "simclr_info_nce_loss",
+                                "simclr_info_nce_loss": {"temperature": 0.1, "buffer_params": {"embedding_dim": 8}}}))
+    with pytest.raises(UserError, match=r"buffer_params\.embedding_dim=8 does not match the embeddings of shape "
+                                        r"\(4, 5\)"):
+        loss(torch.randn(4, 5))
+    assert torch.isfinite(loss(torch.randn(4, 8)))
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path}",
+                  "config.LOSS.simclr_info_nce_loss.buffer_params.embedding_dim=256"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "error: config.LOSS.simclr_info_nce_loss.buffer_params.embedding_dim=256 does not match the embedding size "
+        "dims[-1]=64 of "), r.stderr[-2000:]
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -29,7 +29,7 @@ from classy_vision.losses import ClassyLoss
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.gather import all_reduce_sum_with_grad, is_distributed
-from ssl_engine.losses.outputs import single_output
+from ssl_engine.losses.outputs import check_embedding_dim, single_output
 from ssl_engine.registry import LOSSES
 
 KEY = "config.LOSS.barlow_twins_loss"
@@ -71,19 +71,7 @@ class BarlowTwinsLoss(ClassyLoss):
 
     def check_model(self, model: nn.Module) -> None:
         """The last head's output size (its ``dims[-1]``, where it has dims) is ``embedding_dim``."""
-        heads = list(getattr(model, "heads", []) or [])
-        if not heads:
-            return
-        last = heads[-1]
-        if isinstance(last, nn.Sequential) and len(last):
-            last = last[-1]
-        dims = getattr(last, "dims", None)
-        if isinstance(dims, (list, tuple)) and dims and dims[-1] != self.embedding_dim:
-            where = getattr(last, "config_key", None) or "the last entry of config.MODEL.HEAD.PARAMS"
-            raise UserError(
-                f"{KEY}.embedding_dim={self.embedding_dim} does not match the embedding size dims[-1]={dims[-1]} "
-                f"of {where}; make them equal"
-            )
+        check_embedding_dim(model, self.embedding_dim, f"{KEY}.embedding_dim")
 
     def _embedding(self, output: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
         output = single_output(output, "barlow_twins_loss")

@@ -21,7 +21,7 @@ from classy_vision.losses import ClassyLoss
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.gather import gather_with_grad, is_distributed
-from ssl_engine.losses.outputs import single_output
+from ssl_engine.losses.outputs import check_embedding_dim, single_output
 from ssl_engine.registry import LOSSES
 
 
@@ -31,9 +31,10 @@ class SimclrInfoNCELoss(ClassyLoss):
 
     Args:
         temperature: similarities (cosine, in [-1, 1]) are divided by it.
-        buffer_params: accepted for VISSL config compatibility (``embedding_dim``,
-            ``world_size``, ``effective_batch_size``); the loss derives the batch layout
-            from the tensors it receives, so it needs no precomputed masks.
+        buffer_params: VISSL's; ``embedding_dim`` is the last head's output size, checked
+            against the model before launch and against the embeddings (VISSL asserts it);
+            ``world_size`` and ``effective_batch_size`` are accepted for compatibility: the
+            loss derives the batch layout from the tensors it receives.
     """
 
     CONFIG_KEY = "config.LOSS.simclr_info_nce_loss"
@@ -44,6 +45,15 @@ class SimclrInfoNCELoss(ClassyLoss):
             raise UserError(f"{self.CONFIG_KEY}.temperature={temperature!r} must be > 0")
         self.temperature = float(temperature)
         self.buffer_params = dict(buffer_params or {})
+        dim = self.buffer_params.get("embedding_dim")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0):
+            raise UserError(f"{self.CONFIG_KEY}.buffer_params.embedding_dim={dim!r} must be a positive integer")
+        self.embedding_dim = dim
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """The last head's output size (``dims[-1]``, where it has dims) is buffer_params.embedding_dim."""
+        if self.embedding_dim is not None:
+            check_embedding_dim(model, self.embedding_dim, f"{self.CONFIG_KEY}.buffer_params.embedding_dim")
 
     @classmethod
     def from_config(cls, loss_config: AttrDict) -> "SimclrInfoNCELoss":
@@ -51,13 +61,17 @@ class SimclrInfoNCELoss(ClassyLoss):
         cfg = loss_config or {}
         return cls(temperature=cfg.get("temperature", 0.1), buffer_params=cfg.get("buffer_params", {}))
 
-    @staticmethod
-    def _embedding(output: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
+    def _embedding(self, output: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
         output = single_output(output, "simclr_info_nce_loss")
         if output.ndim != 2 or output.shape[0] % 2:
             raise ValueError(
                 f"simclr_info_nce_loss expects embeddings of shape [2n, D] (two views per image), "
                 f"got {tuple(output.shape)}"
+            )
+        if self.embedding_dim is not None and output.shape[1] != self.embedding_dim:
+            raise UserError(
+                f"{self.CONFIG_KEY}.buffer_params.embedding_dim={self.embedding_dim} does not match the embeddings "
+                f"of shape {tuple(output.shape)}; make it the last head's output size"
             )
         return output
 

@@ -13,6 +13,18 @@ from typing import Any, Callable, Dict, List, Optional
 from ssl_engine.errors import UserError, did_you_mean
 
 
+def accepted_params(cls: Any, skip: int = 0) -> List[str]:
+    """The keyword parameters a registered class takes (its signature's names after the first
+    ``skip``, without ``*args`` / ``**kwargs``), for the "it accepts: ..." part of an error."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(cls).parameters.values())[skip:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 class Registry:
     """A name -> object table for one kind of part (trunk, loss, hook, ...)."""
 

@@ -524,7 +524,8 @@ def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
     for text in ("config.DATA.TRAIN: 33 samples per rank in batches of 16 leave a last batch of 1",
-                 "a BatchNorm layer of the model cannot train on one value per channel (iteration 2)",
+                 "a BatchNorm layer of the model cannot train on one value per channel (iteration 3, batch 3 of "
+                 "the phase)",
                  "config.DATA.TRAIN.DROP_LAST=true"):
         assert text in err, err
     # two views of each image (SimCLR): a one-sample batch is two rows, which BatchNorm1d trains on

@@ -979,3 +979,12 @@ def test_test_class_folders_are_numbered_as_the_training_folders(tmp_path, caplo
                               "DATA_SOURCES=[disk_folder]", "LABEL_SOURCES=[disk_folder]", f"DATA_PATHS=[{p}]")]],
                          warn_unused=False)
     assert list(build_dataset(extraction, "TEST").get_labels(0)) == [0, 0, 1, 1]
+
+
+def test_a_transform_given_a_parameter_it_lacks_lists_the_ones_it_takes() -> None:
+    with pytest.raises(UserError) as e:
+        build_transform({"name": "ImgPilGaussianBlur", "kernel": 23}, "config.DATA.TRAIN.TRANSFORMS[3]")
+    assert str(e.value) == (
+        "config.DATA.TRAIN.TRANSFORMS[3]: bad parameters for transform 'ImgPilGaussianBlur' {'kernel': 23}: "
+        "ImgPilGaussianBlur.__init__() got an unexpected keyword argument 'kernel'; it accepts: p, radius_min, "
+        "radius_max")

@@ -34,7 +34,7 @@ import torchvision.transforms.functional as TF
 from PIL import Image, ImageFilter, ImageOps
 
 from ssl_engine.errors import UserError
-from ssl_engine.registry import TRANSFORMS
+from ssl_engine.registry import TRANSFORMS, accepted_params
 
 # ----------------------------------------------------------------------------- torchvision
 
@@ -301,7 +301,9 @@ def build_transform(spec: Dict[str, Any], where: str = "transform") -> Tuple[str
     try:
         transform = cls(**params)
     except (TypeError, ValueError, IndexError) as exc:  # e.g. a one-value RandomResizedCrop scale
-        raise UserError(f"{where}: bad parameters for transform {name!r} {params!r}: {exc}") from exc
+        accepted = accepted_params(cls)
+        raise UserError(f"{where}: bad parameters for transform {name!r} {params!r}: {exc}"
+                        + (f"; it accepts: {', '.join(accepted)}" if accepted else "")) from exc
     indices = spec.get("indices")
     if indices is not None:
         if isinstance(indices, int):

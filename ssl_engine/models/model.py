@@ -28,7 +28,7 @@ from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.models.param_names import match_params, no_such_params
 from ssl_engine.models.pooling import POOL_OPS_KEY, parse_feat_pool_ops_map, pooled_positions
-from ssl_engine.registry import HEADS, TRUNKS
+from ssl_engine.registry import HEADS, TRUNKS, accepted_params
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,7 @@ def _build_head_module(model_config: AttrDict, spec: Any, where: str) -> Tuple[s
     try:
         inspect.signature(head_cls).bind(model_config, **params)
     except TypeError as err:
-        accepted = [
-            p for p in list(inspect.signature(head_cls).parameters)[1:] if p not in ("args", "kwargs")
-        ]
+        accepted = accepted_params(head_cls, skip=1)  # after the model config
         raise UserError(
             f"{where}: bad params {sorted(params)} for head {name!r} ({err}); it accepts: {', '.join(accepted)}"
         ) from None

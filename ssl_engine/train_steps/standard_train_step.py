@@ -272,7 +272,8 @@ def explain_one_sample_batch(task: Any, inputs: Any, error: ValueError) -> None:
     per_rank = len(task.dataloaders[split].sampler) if split in getattr(task, "dataloaders", {}) else None
     raise one_sample_batch_error(
         task.config, split, per_rank, rows,
-        f"a BatchNorm layer of the model cannot train on one value per channel (iteration {task.iteration})",
+        f"a BatchNorm layer of the model cannot train on one value per channel (iteration "
+        f"{task.iteration + 1 if task.train else task.iteration}, batch {task.local_iteration_num + 1} of the phase)",
     ) from None
 
 

@@ -22,7 +22,7 @@ from ssl_engine.errors import UserError
 from ssl_engine.models.trunks import FeatureTrunk
 from ssl_engine.registry import TRUNKS
 
-KEY = "MODEL.TRUNK.MLP"
+KEY = "config.MODEL.TRUNK.MLP"
 
 
 @TRUNKS.register("mlp")

@@ -41,7 +41,7 @@ from ssl_engine.registry import TRUNKS
 
 logger = logging.getLogger(__name__)
 
-KEY = "MODEL.TRUNK.REGNET"
+KEY = "config.MODEL.TRUNK.REGNET"
 
 # the RegNet presets registered with classy_vision (regnet_y_400mf, ..., regnet_z_4gf)
 PRESETS: Dict[str, type] = {
@@ -221,7 +221,7 @@ class RegNetTrunk(FeatureTrunk):
         input_type = str(model_config.get("INPUT_TYPE", "rgb")).lower()
         if input_type not in ("rgb", "bgr"):
             raise UserError(
-                f"MODEL.INPUT_TYPE={model_config.get('INPUT_TYPE')!r} is not supported by the regnet trunk "
+                f"config.MODEL.INPUT_TYPE={model_config.get('INPUT_TYPE')!r} is not supported by the regnet trunk "
                 "(its stem takes 3 channels); valid: 'rgb', 'bgr'"
             )
         net = build_classy_regnet((model_config.get("TRUNK", {}) or {}).get("REGNET", {}))

@@ -42,7 +42,7 @@ DEPTHS: Dict[int, Tuple[Block, Tuple[int, int, int, int]]] = {
 
 INPUT_CHANNELS: Dict[str, int] = {"rgb": 3, "bgr": 3, "gray": 1, "lab": 1}
 
-KEY = "MODEL.TRUNK.RESNETS"
+KEY = "config.MODEL.TRUNK.RESNETS"
 
 
 def input_channels(model_config: AttrDict) -> int:
@@ -50,7 +50,7 @@ def input_channels(model_config: AttrDict) -> int:
     input_type = str(model_config.get("INPUT_TYPE", "rgb")).lower()
     if input_type not in INPUT_CHANNELS:
         raise UserError(
-            f"MODEL.INPUT_TYPE={model_config.get('INPUT_TYPE')!r} is not supported; "
+            f"config.MODEL.INPUT_TYPE={model_config.get('INPUT_TYPE')!r} is not supported; "
             f"valid: {', '.join(repr(k) for k in INPUT_CHANNELS)}"
         )
     return INPUT_CHANNELS[input_type]

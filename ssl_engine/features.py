@@ -257,23 +257,30 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
                 f"shards of two extractions are mixed, extract again into an empty folder"
             )
     n = len(sorted_inds)
-    expected_n = (extraction_status(folder, split) or {}).get("samples")
+    status = extraction_status(folder, split) or {}
+    expected_n = status.get("samples")
     if isinstance(expected_n, int) and expected_n != n:
         raise FeatureShardError(
             f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {n} samples, but the "
             f"extraction wrote {expected_n} (a shard was removed or added since), extract again"
         )
-    if n and (sorted_inds[0] != 0 or sorted_inds[-1] != n - 1):
+    # samples whose image could not be read were left out by the extraction, which names them
+    left_out = np.asarray(sorted({int(i) for i in status.get("unreadable") or [] if isinstance(i, int)}), np.int64)
+    written = np.setdiff1d(np.arange(n + len(left_out)), left_out) if len(left_out) else None
+    if n and (not np.array_equal(sorted_inds, written) if written is not None
+              else sorted_inds[0] != 0 or sorted_inds[-1] != n - 1):
         expected = int(sorted_inds[-1]) + 1
         raise FeatureShardError(
             f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {n} samples but indices "
-            f"run from {int(sorted_inds[0])} to {expected - 1}; {expected - n} are missing (a shard was "
-            f"removed or a rank did not finish), extract again"
+            f"run from {int(sorted_inds[0])} to {expected - 1}; {expected - n - len(left_out)} are missing (a shard "
+            f"was removed or a rank did not finish), extract again"
         )
     features = np.empty((n,) + tuple(feat_shape), dtype=shards[0].features.dtype)
     targets = np.empty((n,) + tuple(target_shape), dtype=shards[0].targets.dtype)
     for s in shards:  # scatter each shard straight to its sorted rows: one copy, no concatenation
         dest = np.asarray(s.inds, dtype=np.int64)
+        if written is not None:  # rows past a left-out sample move up
+            dest = np.searchsorted(sorted_inds, dest)
         features[dest] = s.features
         targets[dest] = s.targets
     if flatten:

@@ -755,3 +755,26 @@ def test_knn_on_features_with_nan_rows_is_one_line_naming_the_split(tmp_path: Pa
     test[4, 0] = np.inf
     with pytest.raises(UserError, match=r"1 of 5 test features hold NaN or inf values \(the first is row 4\)"):
         knn_accuracy(train, np.zeros(4, int), test, np.zeros(5, int), chunk_size=2)
+
+
+def test_an_unreadable_image_is_left_out_of_the_features_not_replaced_under_its_index(tmp_path: Path) -> None:
+    """ON_CORRUPT_IMAGE: skip trains on the next readable image in place of a broken one; an
+    extraction would write that image's features and label under the broken sample's index (a
+    mislabelled kNN set). It leaves the row out, names the index in the log and in the status."""
+    _color_folders(tmp_path, {"train": "abc"})
+    (tmp_path / "train" / "a" / "1.png").write_text("not an image")  # sample 1 (a/0, a/1, b/0, ...)
+    out = tmp_path / "out"
+    args = ["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={out}", "--engine=extract_features",
+            "config.MODEL.TRUNK.NAME=mlp", "config.MODEL.TRUNK.MLP.DIMS=[192,32]", "config.MODEL.HEAD.PARAMS=[]",
+            "config.EXTRACT_FEATURES.SPLITS=[TRAIN]", "config.DATA.TRAIN.COLLATE_FUNCTION=default_collate",
+            "config.DATA.TRAIN.DATA_LIMIT=-1", "config.DATA.TRAIN.DROP_LAST=false",
+            "config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]",
+            f"config.DATA.TRAIN.DATA_PATHS=[{tmp_path / 'train'}]", "config.DATA.TRAIN.TRANSFORMS=[{name: ToTensor}]",
+            "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DATA.NUM_DATALOADER_WORKERS=0"]
+    proc = tool(args)
+    assert "1 unreadable TRAIN image(s) left out of the features (sample indices 1;" in proc.stdout + proc.stderr
+    feats = load_features(out, "train", "heads")
+    assert feats["inds"].reshape(-1).tolist() == [0, 2, 3, 4, 5]
+    assert feats["targets"].reshape(-1).tolist() == [0, 1, 1, 2, 2]
+    status = extraction_status(out, "train")
+    assert status["samples"] == 5 and status["unreadable"] == [1]

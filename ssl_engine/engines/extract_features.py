@@ -204,8 +204,9 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     loader = extraction_loader(task, split)
     writer = ShardWriter(folder, task.rank, split, cfg.EXTRACT_FEATURES.CHUNK_THRESHOLD)
     batches = iter(loader)
+    unreadable: List[int] = []
     try:
-        stopped = _write_features(task, split, batches, writer)
+        stopped = _write_features(task, split, batches, writer, unreadable)
     except Exception as e:
         if du.is_primary():  # readers then say why the split is missing, not that it is still running
             reason = (str(e).strip().splitlines() or [""])[0][:300]
@@ -214,19 +215,27 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     finally:
         stop_workers(batches)  # now, also on an error (see stop_workers)
     # every rank's shards are on disk past this point
-    gathered = du.all_gather_object((writer.num_samples, stopped))
-    if any(stop for _, stop in gathered):
+    gathered = du.all_gather_object((writer.num_samples, stopped, unreadable))
+    if any(stop for _, stop, _ in gathered):
         raise preemption.Preempted(
-            f"stopped extracting {split.lower()} features on a preemption signal after {sum(n for n, _ in gathered)} "
+            f"stopped extracting {split.lower()} features on a preemption signal after {sum(n for n, _, _ in gathered)} "
             f"samples; rerun the same command to extract them again"
         )
-    counts = [n for n, _ in gathered]
+    counts = [n for n, _, _ in gathered]
+    left_out = sorted(i for _, _, rank_left_out in gathered for i in rank_left_out)
+    if left_out and du.is_primary():
+        log.warning("%d unreadable %s image(s) left out of the features (sample indices %s; the warnings above name "
+                    "their files): no other image's features are written under their indices", len(left_out),
+                    split, first_few(left_out, quote=False))
     layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
     if du.is_primary():
         label_type = str(cfg.DATA[split].get("LABEL_TYPE", "standard"))
         classes = label_class_names(cfg, split) if label_type == "standard" else None
+        extra: Dict[str, Any] = {"classes": classes} if classes is not None else {}
+        if left_out:
+            extra["unreadable"] = left_out
         write_extraction_status(folder, split, "complete", samples=int(sum(counts)), layers=layers,
-                                label_type=label_type, **({"classes": classes} if classes is not None else {}))
+                                label_type=label_type, **extra)
     return {
         "split": split.lower(),
         "samples": int(sum(counts)),
@@ -238,9 +247,14 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     }
 
 
-def _write_features(task: Any, split: str, batches: Any, writer: Any) -> bool:
+def _write_features(task: Any, split: str, batches: Any, writer: Any, unreadable: List[int]) -> bool:
     """Run every batch through the model and hand its features to ``writer``; True when a
-    preemption signal stopped it before the end of the data."""
+    preemption signal stopped it before the end of the data.
+
+    A sample whose image could not be read (ON_CORRUPT_IMAGE: skip) arrives as another image
+    marked ``data_valid`` -1: its row is left out (its index added to ``unreadable``), so that no
+    image's features or label are written under another sample's index.
+    """
     cfg = task.config
     non_blocking = task.device.type == "cuda" and cfg.DATA.ENABLE_ASYNC_GPU_COPY
     model = task.base_model
@@ -257,7 +271,16 @@ def _write_features(task: Any, split: str, batches: Any, writer: Any) -> bool:
             with task.autocast():
                 feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))
             arrays = {name: f.detach().float().cpu().numpy() for name, f in feats.items()}
-            writer.add(arrays, _targets(batch, len(inds)), inds)
+            targets = _targets(batch, len(inds))
+            flags = batch.get("data_valid")
+            if flags:
+                keep = flags[0].numpy() > 0
+                if not keep.all():
+                    unreadable.extend(int(i) for i in inds[~keep])
+                    arrays = {name: a[keep] for name, a in arrays.items()}
+                    targets, inds = targets[keep], inds[keep]
+            if len(inds):
+                writer.add(arrays, targets, inds)
             if preemption.requested():
                 return True
     return False

@@ -976,6 +976,22 @@ def test_an_override_into_a_list_entry_names_the_entry_or_the_valid_indices(tmp_
         with pytest.raises(ConfigError, match=rf"TRANSFORMS is a list of 6 entries, so '{index}' names none of them "
                                               r"\(indices: 0-5\)"):
             compose([f"config={path}", f"config.DATA.TRAIN.TRANSFORMS.{index}.size=64"], warn_unused=False)
+    # a whole entry is replaced, also by a mapping with options the old entry lacks (was "unknown config key")
+    cfg = compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.2={name:RandomHorizontalFlip,p:0.3}"],
+                  warn_unused=False)
+    assert cfg.DATA.TRAIN.TRANSFORMS[2] == {"name": "RandomHorizontalFlip", "p": 0.3}
+    assert len(cfg.DATA.TRAIN.TRANSFORMS) == 6
+    with pytest.raises(ConfigError, match=r"TRANSFORMS is a list of 6 entries, so '7' names none of them"):
+        compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.7={name:ToTensor}"], warn_unused=False)
+    # hydra deletes keys of sections only, and its grammar has no negative index: each is one line that says so
+    with pytest.raises(ConfigError) as e:  # was: "list indices must be integers or slices, not str"
+        compose([f"config={path}", "~config.DATA.TRAIN.TRANSFORMS.1"], warn_unused=False)
+    assert str(e.value) == ("~config.DATA.TRAIN.TRANSFORMS.1: an entry of the list config.DATA.TRAIN.TRANSFORMS cannot be "
+                            "deleted on its own; give the list without it, config.DATA.TRAIN.TRANSFORMS=[...] (quoted "
+                            "as one shell word)")
+    with pytest.raises(ConfigError, match=r"TRANSFORMS.-1.mean: entries of config.DATA.TRAIN.TRANSFORMS are named by "
+                                          r"their index counted from 0 .*a negative index is not supported"):
+        compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.-1.mean=[0.5,0.5,0.5]"], warn_unused=False)
 
 
 def test_settings_that_are_not_acted_on_are_reported_also_inside_free_form_sections(caplog):

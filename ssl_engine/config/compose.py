@@ -556,6 +556,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 added_keys += declared_added_keys(overlay)
                 hydra_overrides.append(f"{key}={option}")
                 continue
+            _check_list_entry_key(key)
             _check_override_grammar(item)
             if key.startswith("~"):
                 hydra_overrides.append(item)
@@ -570,6 +571,10 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             command_line.append(key)
             if _is_option_of_free_form_section(key):
                 key = f"++{key}"  # not in defaults.yaml's {}, so hydra wants '+' (or none when a yaml set it)
+            elif not key.startswith("+") and key.rsplit(".", 1)[-1].isdigit():
+                # a whole entry of a list, replaced: hydra's struct mode would refuse a mapping whose
+                # options the old entry lacks ({name: RandomHorizontalFlip, p: 0.3} over ToTensor)
+                key = f"++{key}"
             hydra_overrides.append(f"{key}={value}")
         user_file = None
         if experiment is not None:
@@ -622,6 +627,26 @@ def _explain_override_into_a_value(hydra_overrides: List[str], command_line: Lis
                 )
             if node is None:
                 break
+        if isinstance(node, list) and len(parts) > 1:  # the key names an entry itself (TRANSFORMS.7={...})
+            _list_entry(node, ".".join(parts[:-1]), parts[-1], key)
+
+
+def _check_list_entry_key(key: str) -> None:
+    """A ConfigError for the list-entry keys hydra cannot act on: a negative index, and the
+    deletion of one entry (hydra deletes keys of sections, not entries of lists)."""
+    parts = key.lstrip("+~").split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth])
+        if re.fullmatch(r"-\d+", part):
+            raise ConfigError(
+                f"{key}: entries of {where} are named by their index counted from 0 ({where}.0, {where}.1, ...); "
+                f"a negative index is not supported"
+            )
+        if key.startswith("~") and depth and part.isdigit():
+            raise ConfigError(
+                f"{key}: an entry of the list {where} cannot be deleted on its own; give the list without it, "
+                f"{where}=[...] (quoted as one shell word)"
+            )
 
 
 def _names_a_list_entry(message: str) -> bool:

@@ -339,3 +339,19 @@ def test_linear_eval_with_head_lr_keys_metrics_by_layer(pretrained: Path, tmp_pa
         groups = by_phase[phase]  # the trunk is frozen: the heads' groups only (regularized, then BN/none)
         assert [g["lr"] for g in groups] == pytest.approx([lr, lr]), phase
         assert [g["weight_decay"] for g in groups] == pytest.approx([1e-4, 0.0])
+
+
+def test_a_pool_op_too_large_for_its_layer_is_one_line_before_launch(tmp_path: Path) -> None:
+    """VISSL's pool-op maps are sized for 224x224 crops; on 32x32 digits a 6x6 kernel over res4's
+    2x2 map cannot run. The check reads one sample for the image size and runs the model on the
+    meta device before any process starts: one line naming the map entry, and the checkpoint
+    folder is not created."""
+    folder = tmp_path / "run"
+    r = run_tool(["config=quick/linear_eval_digits", f"config.CHECKPOINT.DIR={folder}",
+                  "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP="
+                  "[[res5avg,[Identity,[]]],[res4,[AvgPool2d,[[6,6],1,0]]]]"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "error: config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP[1]: AvgPool2d(kernel_size=(6, 6), "
+        "stride=1, padding=0) does not fit trunk layer 'res4' of [256, 2, 2] (input images 32x32)"), r.stderr[-2000:]
+    assert not folder.exists()

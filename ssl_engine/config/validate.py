@@ -898,6 +898,35 @@ def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any, world_size: in
                                      f"the model's BatchNorm1d layer {layers[0]!r} cannot train on one value per channel")
 
 
+def check_pool_ops_fit(model: Any, datasets: Dict[str, Any]) -> None:
+    """The LINEAR_EVAL_FEAT_POOL_OPS_MAP ops fit their trunk layers for the data's image size: one
+    sample of the first split is read (the transforms decide its size) and the model on the meta
+    device runs on a batch of that shape, so a 6x6 kernel over a 2x2 res4 is the model's own
+    one-line error before launch, not after the run has started in its folder."""
+    import torch
+
+    if not getattr(model, "feat_layer_names", None) or not datasets:
+        return
+    try:
+        sample = next(iter(datasets.values()))[0]
+        first = sample["data"][0]
+    except Exception:  # noqa: BLE001 - an unreadable first image is the run's to report
+        return
+    if not isinstance(first, torch.Tensor) or first.ndim != 3:
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.empty((2,) + tuple(first.shape), device="meta"))
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - an op without a meta kernel: the run checks at its first step
+        return
+    finally:
+        model.train(was_training)
+
+
 def check_custom_hooks(cfg: AttrDict) -> None:
     """HOOKS.CUSTOM params fit their hook's constructor (checked by signature, nothing is built)."""
     import inspect
@@ -985,6 +1014,7 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
             check_metric_before_launch(build_cfg, meters, splits)
     if model is None:
         return
+    _checked("the pool ops against the trunk", check_pool_ops_fit, model, datasets)
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         check_no_batch_of_one(build_cfg, model, loaders["TRAIN"], world_size)
     check_model = getattr(loss, "check_model", None)

@@ -72,10 +72,24 @@ def _owner_record() -> Dict[str, Any]:
 
 
 def _read(path: Path) -> Optional[bytes]:
+    """The lock file's bytes, None when there is none; a UserError when the name is taken by
+    something that is no lock (a symbolic link, dangling or not; a folder; an unreadable file):
+    this tool only ever creates plain files there, so waiting for it to go away would not end."""
+    if path.is_symlink():
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise UserError(f"{path} is a symbolic link (to {target}), not a lock file: the lock is a plain file this "
+                        f"tool creates and removes; delete the link")
     try:
         return path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:
+        what = "a folder" if path.is_dir() else f"unreadable ({e.strerror or e})"
+        raise UserError(f"{path} is {what}, not a lock file: the lock is a plain file this tool creates and "
+                        f"removes; remove it") from None
 
 
 def _parse(raw: bytes) -> Optional[Dict[str, Any]]:
@@ -178,6 +192,8 @@ class FolderLock:
                 return
             raw = _read(self.path)
             if raw is None:
+                if time.monotonic() > deadline:
+                    raise FolderLockedError(f"could not take the lock {self.path}: other runs keep taking it; try again")
                 continue  # released meanwhile: try again
             owner = _parse(raw)
             if owner is None:

@@ -667,3 +667,38 @@ def test_a_folder_turned_read_only_keeps_the_runs_own_error_not_the_locks(tmp_pa
         with lock:
             raise CheckpointError("cannot write model_iteration6.torch in x: read-only file system")
     assert "could not remove the lock file" in caplog.text and not lock.held
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "loop of links", "folder"])
+def test_a_lock_name_taken_by_something_that_is_no_lock_file_is_one_line_not_a_spin(tmp_path, kind):
+    """The lock is a plain file the tool creates: a link or a folder in its place never goes away by
+    itself. It was an endless loop at full CPU (a dangling link) or a traceback (a loop); now it is
+    one line naming the file, at once, before launch and in the rank."""
+    from ssl_engine.errors import UserError
+
+    lock = tmp_path / LOCK_NAME
+    if kind == "dangling link":
+        lock.symlink_to(tmp_path / "nowhere")
+    elif kind == "loop of links":
+        lock.symlink_to(lock)
+    else:
+        lock.mkdir()
+    what = "a symbolic link" if "link" in kind else "a folder"
+    for attempt in (lambda: check_folder_free(tmp_path), lambda: FolderLock(tmp_path).acquire()):
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match=f"{re.escape(str(lock))} is {what}"):
+            attempt()
+        assert time.monotonic() - t0 < 5
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path}"], timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: {lock} is {what}"), r.stderr
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_a_run_folder_that_is_a_broken_link_is_one_line(tmp_path, kind):
+    folder = tmp_path / "run"
+    folder.symlink_to(tmp_path / "gone" if kind == "dangling" else folder)
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={folder}"], timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    expected = (f"is a symbolic link to {tmp_path / 'gone'}, which does not exist" if kind == "dangling"
+                else "cannot be reached: a loop of symbolic links")
+    assert expected in r.stderr.strip().splitlines()[-1], r.stderr

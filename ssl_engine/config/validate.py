@@ -738,6 +738,14 @@ def check_output_folder(path: Any, key: str) -> None:
     import os
 
     folder = Path(str(path)).expanduser()
+    try:
+        folder.resolve()
+    except (RuntimeError, OSError):  # python raises RuntimeError on a loop of links, newer ones OSError
+        raise ConfigError(f"{key}={path} cannot be reached: a loop of symbolic links; name another folder") from None
+    for part in (folder, *folder.parents):
+        if part.is_symlink() and not part.exists():
+            raise ConfigError(f"{key}={path}: {part} is a symbolic link to {os.readlink(part)}, which does not exist; "
+                              f"create that folder, or name another")
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{key}={path} is a file, not a folder; name a folder for the run's files")
     probe = folder

@@ -648,7 +648,11 @@ def test_a_folder_where_the_run_writes_a_file_is_one_line(tmp_path, name):
     proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", "config.OPTIMIZER.num_epochs=1", "config.LOG_FREQUENCY=1"],
                     timeout=300)
     assert proc.returncode == 2
-    assert one_error_line(proc) == f"error: cannot use {run / name}: Is a directory"
+    if name == "train.lock":
+        assert one_error_line(proc) == (f"error: {run / name} is a folder, not a lock file: the lock is a plain file "
+                                        f"this tool creates and removes; remove it")
+    else:
+        assert one_error_line(proc) == f"error: cannot use {run / name}: Is a directory"
 
 
 def test_a_folder_turned_read_only_keeps_the_runs_own_error_not_the_locks(tmp_path, monkeypatch, caplog):

@@ -474,6 +474,28 @@ def settle_checkpoint_writes() -> None:
         log.error("the checkpoint written in the background failed: %s", " ".join(str(e).split()))
 
 
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _ahead_of_pointer(target: Path, listed: List[Path]) -> Optional[Path]:
+    """The checkpoint of ``listed`` furthest into the run, when it is further than ``target`` (the
+    pointer's file); None otherwise. Only files written after ``target`` are read (their counters,
+    not their tensors): a folder copied without its times has other files newer than the
+    pointer's, and their counters tell that they are not further."""
+    newer = [p for p in listed if p.resolve() != target and _mtime(p) > _mtime(target)]
+    if not newer:
+        return None
+    here = _position(target)
+    if here is None:
+        return None  # the pointer's file is unreadable: the search below skips it anyway
+    best = max(((pos, p) for p in newer if (pos := _position(p)) is not None), default=None)
+    return best[1] if best is not None and best[0] > here else None
+
+
 def list_checkpoints(folder: Path) -> List[Path]:
     """Checkpoint files of a folder, newest first (by modification time, then name)."""
     folder = Path(folder)
@@ -606,6 +628,28 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     return data
 
 
+def peek_checkpoint(path: Path) -> Dict[str, Any]:
+    """A checkpoint's structure without reading its tensor data (tensors come back on the meta
+    device); loads with weights_only, so a file carrying pickled code is refused, never run."""
+    try:
+        data = torch.load(str(path), map_location="meta", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - old formats cannot be mmapped; load_checkpoint explains real problems
+        data = load_checkpoint(path)
+    if not isinstance(data, dict):
+        return load_checkpoint(path)  # raises its "not a checkpoint" error
+    return data
+
+
+def _position(path: Path) -> Optional[Tuple[int, int]]:
+    """(iteration, phase_idx) a checkpoint file was written at, read without its tensors; None
+    when it cannot be read."""
+    try:
+        data = peek_checkpoint(path)
+        return int(data["iteration"]), int(data["phase_idx"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return None
+
+
 def _unreadable_because(path: Path, error: Exception) -> str:
     """Why torch.load failed on ``path``, in words: what the file's first bytes say it is.
 
@@ -677,7 +721,15 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
             candidates.append(pointer.resolve(strict=True))
         except (OSError, RuntimeError) as e:  # dangling, or a loop of links
             log.warning("skipping %s: it points nowhere readable (%s)", POINTER, e)
-    candidates += [p for p in list_checkpoints(folder) if p.resolve() not in candidates]
+    listed = list_checkpoints(folder)
+    ahead = _ahead_of_pointer(candidates[0], listed) if candidates else None
+    if ahead is not None:
+        # a run stopped between the rename of a checkpoint and the swap of the pointer: resuming
+        # from the pointer would train that stretch again
+        log.warning("%s points to %s, but %s was written later in the run: resuming from the later one", POINTER,
+                    candidates[0].name, ahead.name)
+        candidates = [ahead]
+    candidates += [p for p in listed if p.resolve() not in candidates]
     for p in candidates:
         if not p.exists():
             continue

@@ -702,3 +702,35 @@ def test_a_run_resumed_inside_a_logging_window_logs_the_same_avg_loss(setup, tmp
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(losses(ref)) == [1, 4, 5, 8, 10, 12]
     assert losses(folder) == losses(ref)
+
+
+def test_a_pointer_left_behind_by_a_kill_is_passed_over_for_the_later_checkpoint(setup, reference, tmp_path):
+    """A kill between the rename of a checkpoint and the swap of checkpoint.torch leaves the pointer
+    on the one before: the later file is resumed from (with a warning), not the pointer's, so no
+    stretch is trained twice. A folder copied without its times (files newer than the pointer's,
+    but earlier in the run) keeps the pointer."""
+    root, cfg = setup
+    folder = tmp_path / "stale"
+    folder.mkdir()
+    for name in ("model_phase0.torch", "model_iteration8.torch"):
+        shutil.copy(reference[0] / name, folder / name)
+    os.utime(folder / "model_phase0.torch", ns=(1_000_000_000, 1_000_000_000))
+    (folder / "checkpoint.torch").symlink_to("model_phase0.torch")
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert ("checkpoint.torch points to model_phase0.torch, but model_iteration8.torch was written later in the run: "
+            "resuming from the later one") in out, out[-3000:]
+    assert f"resumed from {folder / 'model_iteration8.torch'}" in out
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    for name in ("model_iteration8.torch", "model_phase0.torch"):  # the older one copied last: newer on disk
+        shutil.copy(reference[0] / name, copied / name)
+        time.sleep(0.01)
+    (copied / "checkpoint.torch").symlink_to("model_iteration8.torch")
+    r = run(cfg, copied)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "written later in the run" not in out and f"resumed from {copied / 'model_iteration8.torch'}" in out

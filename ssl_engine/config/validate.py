@@ -778,25 +778,9 @@ def is_resuming(cfg: AttrDict) -> bool:
     return bool(cfg.CHECKPOINT.AUTO_RESUME) and bool(list_checkpoints(Path(str(cfg.CHECKPOINT.DIR)).expanduser()))
 
 
-def peek_checkpoint(path: Path) -> Dict[str, Any]:
-    """A checkpoint's structure without reading its tensor data (tensors come back on the meta
-    device); loads with weights_only, so a file carrying pickled code is refused, never run."""
-    import torch
-
-    from ssl_engine.checkpoint import load_checkpoint
-
-    try:
-        data = torch.load(str(path), map_location="meta", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - old formats cannot be mmapped; load_checkpoint explains real problems
-        data = load_checkpoint(path)
-    if not isinstance(data, dict):
-        return load_checkpoint(path)  # raises its "not a checkpoint" error
-    return data
-
-
 def check_resume_file(cfg: AttrDict) -> None:
     """CHECKPOINT.RESUME_FROM names an ssl_engine training checkpoint that loads without code."""
-    from ssl_engine.checkpoint import is_engine_checkpoint, resume_from_file
+    from ssl_engine.checkpoint import is_engine_checkpoint, peek_checkpoint, resume_from_file
     from ssl_engine.errors import CheckpointError
     from ssl_engine.resume_state import state_problem
 

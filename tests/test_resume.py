@@ -341,9 +341,15 @@ def test_resuming_from_a_finished_checkpoint_says_nothing_is_left(setup, referen
     r = run(cfg, tmp_path / "new", f"config.CHECKPOINT.RESUME_FROM={final}", "config.DATA.NUM_DATALOADER_WORKERS=0")
     assert r.returncode == 2, r.stderr[-3000:]
     line = r.stderr.strip().splitlines()[-1]
-    assert line == (f"error: {final} was written after phase 6 of its run and this config has 6 phases: nothing is "
-                    f"left to run; raise config.OPTIMIZER.num_epochs to train on from it, or start a new run from its "
-                    f"weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE"), line
+    assert line == (f"error: {final} was written after 3 training epochs of its run, and this config trains "
+                    f"config.OPTIMIZER.num_epochs=3: nothing is left to run; raise config.OPTIMIZER.num_epochs above 3 "
+                    f"to train on from it, or start a new run from its weights with "
+                    f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE"), line
+    # fewer epochs than the checkpoint's run: the counts are the checkpoint's and the config's (was "after phase 2
+    # of its run and this config has 2 phases")
+    r = run(cfg, tmp_path / "fewer", f"config.CHECKPOINT.RESUME_FROM={final}", "config.OPTIMIZER.num_epochs=1")
+    assert r.returncode == 2 and "after 3 training epochs of its run, and this config trains " \
+        "config.OPTIMIZER.num_epochs=1" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
     # with more epochs it trains on from there
     r = run(cfg, tmp_path / "more", f"config.CHECKPOINT.RESUME_FROM={final}", "config.DATA.NUM_DATALOADER_WORKERS=0",
             "config.OPTIMIZER.num_epochs=4")

@@ -80,10 +80,12 @@ class _Trainer(SelfSupervisionTrainer):
                 raise _NothingLeft(Path(self.checkpoint_path).name)
             # a finished run is found by its final checkpoint before this; here the checkpoint
             # came from elsewhere (RESUME_FROM, a pointer) or the config now has fewer phases
+            epochs = int(task.train_phase_idx) + 1
             raise UserError(
-                f"{self.checkpoint_path} was written after phase {task.phase_idx + 1} of its run and this config has {len(task.phases)} "
-                f"phases: nothing is left to run; raise config.OPTIMIZER.num_epochs to train on from it, or start a "
-                f"new run from its weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+                f"{self.checkpoint_path} was written after {epochs} training epoch{'s' if epochs != 1 else ''} of its "
+                f"run, and this config trains config.OPTIMIZER.num_epochs={self.cfg.OPTIMIZER.num_epochs}: nothing is "
+                f"left to run; raise config.OPTIMIZER.num_epochs above {epochs} to train on from it, or start a new run "
+                f"from its weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
             )
         if du.is_primary():
             if not self.checkpoint_path:

@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import threading
+import warnings
 import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -611,7 +612,9 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        data = torch.load(str(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns of a pickle protocol it did not write; the error says more
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         text = str(e)
         blocked = re.search(r"(Unsupported global: GLOBAL [^\s]+|unsupported GLOBAL [^\s]+|GLOBAL [\w.]+ [\w.]+)", text)
@@ -657,17 +660,24 @@ def _unreadable_because(path: Path, error: Exception) -> str:
     cut mid-sentence for a truncated archive); the file's start tells a user more.
     """
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
-        size = os.path.getsize(path)
+            f.seek(max(0, size - 1))
+            last = f.read(1)  # a whole pickle ends with its STOP opcode, '.'
+
     except OSError as e:
         return f"cannot be read: {e.strerror}"
     if size == 0:
         return "is empty (0 bytes)"
     if head.startswith(b"PK"):  # torch.save's zip format
         return f"is truncated or corrupt: its zip archive cannot be read ({size} bytes)"
-    if head[:1] == b"\x80":  # a pickle: torch's legacy format, or a pickled object
+    if head[:3] == b"\x80\x02\x8a" or (head[:1] == b"\x80" and last != b"."):
+        # torch's legacy format (protocol 2, then its magic number), or a pickle cut before its STOP
         return f"is truncated or corrupt: its pickle cannot be read ({type(error).__name__}, {size} bytes)"
+    if head[:1] == b"\x80":  # a whole pickle that python's pickle wrote
+        return (f"is a file of Python's pickle (protocol {head[1]}), not one written by torch.save: it is not "
+                f"read, as loading it could run code ({size} bytes)")
     return f"is not a file written by torch.save (it starts with {head!r}, {size} bytes)"
 
 

@@ -706,3 +706,20 @@ def test_a_run_folder_that_is_a_broken_link_is_one_line(tmp_path, kind):
     expected = (f"is a symbolic link to {tmp_path / 'gone'}, which does not exist" if kind == "dangling"
                 else "cannot be reached: a loop of symbolic links")
     assert expected in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_a_plain_python_pickle_is_named_as_such_not_as_a_truncated_file(tmp_path, recwarn):
+    import pickle
+
+    plain = tmp_path / "weights.pkl"
+    plain.write_bytes(pickle.dumps({"a": os.getcwd}, protocol=4))
+    with pytest.raises(CheckpointError) as e:
+        ck.load_checkpoint(plain)
+    assert str(e.value) == (f"checkpoint {plain} is a file of Python's pickle (protocol 4), not one written by "
+                            f"torch.save: it is not read, as loading it could run code ({plain.stat().st_size} bytes)")
+    assert not [w for w in recwarn if "pickle protocol" in str(w.message)]  # torch's own warning stays quiet
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"a": 1}, str(legacy), _use_new_zipfile_serialization=False)
+    legacy.write_bytes(legacy.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match="is truncated or corrupt: its pickle cannot be read"):
+        ck.load_checkpoint(legacy)

@@ -72,6 +72,9 @@ def extraction_status(folder: Path, split: str) -> Optional[Dict[str, object]]:
     """The status file of ``split`` (None when there is none: shards written by VISSL)."""
     path = status_path(folder, split)
     if not path.is_file():
+        if path.exists() or path.is_symlink():  # a folder or a broken link where the status file belongs
+            raise FeatureShardError(f"{path} is not a status file of this engine (not a readable file); extract "
+                                    f"{split.lower()} again")
         return None
     try:
         status = json.loads(path.read_text(encoding="utf-8", errors="replace"))
@@ -197,7 +200,10 @@ def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> Fea
     try:
         arrays = {k: np.load(parts[k], mmap_mode=mode, allow_pickle=False) for k in KINDS}
     except (ValueError, OSError, EOFError) as e:
-        raise FeatureShardError(f"cannot read feature shard {name}: {e}") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "pickled" in why or "allow_pickle" in why:  # numpy's advice would load a damaged file unsafely
+            why = "its header is damaged (it does not describe a numeric array)"
+        raise FeatureShardError(f"cannot read feature shard {name}: {why}; extract again") from None
     for kind, array in arrays.items():
         # inds: one integer per sample; targets and features: numbers, one row per sample
         wrong_dtype = array.dtype.kind not in ("iu" if kind == "inds" else "iufb")

@@ -778,3 +778,20 @@ def test_an_unreadable_image_is_left_out_of_the_features_not_replaced_under_its_
     assert feats["targets"].reshape(-1).tolist() == [0, 1, 1, 2, 2]
     status = extraction_status(out, "train")
     assert status["samples"] == 5 and status["unreadable"] == [1]
+
+
+def test_a_garbled_shard_or_a_folder_for_a_status_file_is_one_line_that_does_not_invite_unsafe_loading(
+        tmp_path: Path) -> None:
+    write_split(tmp_path, "TRAIN", np.arange(10))
+    write_extraction_status(tmp_path, "TRAIN", "complete", samples=10)
+    shard = next(tmp_path.glob("rank0_chunk0_train_res5avg_features.npy"))
+    data = bytearray(shard.read_bytes())
+    data[:64] = bytes(64)  # no .npy header: numpy's error suggests allow_pickle=True, which would unpickle the file
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FeatureShardError) as e:
+        load_features(tmp_path, "train", "res5avg")
+    assert str(e.value).endswith("its header is damaged (it does not describe a numeric array); extract again")
+    status_path(tmp_path, "TRAIN").unlink()
+    status_path(tmp_path, "TRAIN").mkdir()
+    with pytest.raises(FeatureShardError, match=r"is not a status file of this engine \(not a readable file\)"):
+        extraction_status(tmp_path, "train")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ssl_engine.errors import CheckpointError, UserError, is_url, url_error
+from ssl_engine.errors import CheckpointError, UserError, folder_gone, is_url, url_error
 from ssl_engine.resume_state import state_problem
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,9 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> 
         except OSError:
             pass
         os_error = _os_error_in(e)
+        gone = folder_gone(str(path)) if os_error is not None else None
+        if gone is not None:
+            raise CheckpointError(str(gone)) from e
         if os_error is not None:
             why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied", errno.EROFS: "read-only file system"}.get(
                 os_error.errno, os_error.strerror or str(os_error)
@@ -230,8 +233,10 @@ def save_checkpoint(
     place; once it is, the pointer swap and the pruning are always done.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
+    gone = folder_gone(str(path))  # the run made its folder: one that is gone now is not made again
+    if gone is not None:
+        raise CheckpointError(str(gone))
     sync_files(sync_first)
     atomic_write(path, lambda f: _torch_save_to(f, checkpoint, cancel))
     point_to(folder, name)

@@ -74,11 +74,27 @@ _USERS_OS_ERRNOS = frozenset(
 
 def file_system_error(error: BaseException) -> Optional[UserError]:
     """The UserError for an OSError on a named file that the user's setup caused (see
-    ``_USERS_OS_ERRNOS``), e.g. a folder named ``stdout.json`` in the checkpoint folder; None
-    for any other error."""
-    if isinstance(error, OSError) and error.errno in _USERS_OS_ERRNOS and error.filename:
+    ``_USERS_OS_ERRNOS``), e.g. a folder named ``stdout.json`` in the checkpoint folder, or a
+    file the run writes whose folder was deleted under it; None for any other error."""
+    if not isinstance(error, OSError) or not error.filename:
+        return None
+    if error.errno == errno.ENOENT:
+        return folder_gone(str(error.filename))
+    if error.errno in _USERS_OS_ERRNOS:
         return UserError(f"cannot use {error.filename}: {error.strerror or type(error).__name__}")
     return None
+
+
+def folder_gone(path: str) -> Optional[UserError]:
+    """A UserError when the folder of ``path`` (a file the run writes) no longer exists: it was
+    deleted or moved while the run used it, and its earlier files with it; None otherwise."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        return None
+    return UserError(f"cannot use {os.path.basename(path)}: its folder {folder} is gone (deleted or moved while the "
+                     f"run was using it, with the files written there); rerun the command to start again")
 
 
 def unwrap_worker_error(text: str) -> str:

@@ -44,6 +44,11 @@ class KillAt(SSLHook):
         if event == "phase_end" and task.phase_idx == num:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def on_update(self, task):
+        if event == "rmtree" and task.iteration + 1 == num:  # the folder is deleted by hand mid-run
+            import shutil
+            shutil.rmtree(task.checkpoint_folder)
+
 
 if event == "save":  # die in the middle of writing the num-th checkpoint file
     _orig, _count = ck.atomic_write, [0]
@@ -740,3 +745,17 @@ def test_a_pointer_left_behind_by_a_kill_is_passed_over_for_the_later_checkpoint
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "written later in the run" not in out and f"resumed from {copied / 'model_iteration8.torch'}" in out
+
+
+@pytest.mark.parametrize("async_write", ["true", "false"])
+def test_a_run_folder_deleted_under_the_run_stops_it_with_one_line(setup, tmp_path, async_write):
+    """The run made its folder: one deleted under it is not made again (a quiet exit 0 with its
+    config, log and lock gone), nor reported as 'the previous files there are intact'; the run
+    stops at the next file it writes there, naming the folder, exit 2."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    r = run(cfg, folder, f"config.CHECKPOINT.ASYNC_WRITE={async_write}", kill="rmtree:3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert f"its folder {folder} is gone (deleted or moved while the run was using it" in line, line
+    assert "intact" not in line and not folder.exists()

@@ -759,3 +759,26 @@ def test_a_run_folder_deleted_under_the_run_stops_it_with_one_line(setup, tmp_pa
     line = r.stderr.strip().splitlines()[-1]
     assert f"its folder {folder} is gone (deleted or moved while the run was using it" in line, line
     assert "intact" not in line and not folder.exists()
+
+
+def test_a_metrics_file_emptied_before_a_resume_says_which_lines_are_lost(setup, reference, tmp_path):
+    """The phases a checkpoint covers are not run again: when metrics.json lost their lines (the
+    file emptied or deleted by hand), the resumed run says which, instead of ending with a file
+    that silently starts at a later phase."""
+    root, cfg = setup
+    folder = tmp_path / "emptied"
+    folder.mkdir()
+    shutil.copy(reference[0] / "model_iteration8.torch", folder / "model_iteration8.torch")
+    (folder / "metrics.json").write_text("")
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (f"{folder / 'metrics.json'} has no line for train phase 0, which the checkpoint covers (the file was "
+            f"emptied, replaced or deleted since)") in r.stdout + r.stderr
+    phases = [json.loads(x)["phase_idx"] for x in (folder / "metrics.json").read_text().splitlines()]
+    assert phases == [2, 3, 4, 5]
+    # a resume from a folder with every line: no such warning
+    whole = tmp_path / "whole"
+    shutil.copytree(reference[0], whole, symlinks=True)
+    r = run(cfg, whole, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=4")
+    assert r.returncode == 0 and "resumed from" in r.stdout + r.stderr, r.stderr[-3000:]
+    assert "has no line for train phase" not in r.stdout + r.stderr

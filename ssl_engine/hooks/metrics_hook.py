@@ -15,10 +15,10 @@ import torch
 
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import atomic_write_text, sync_files
-from ssl_engine.errors import UserError
+from ssl_engine.errors import UserError, first_few
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
-from ssl_engine.hooks.resume_point import done_before_resume
+from ssl_engine.hooks.resume_point import done_before_resume, record_position
 from ssl_engine.registry import HOOKS
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,10 @@ class MetricsHook(SSLHook):
         """Drop what a crashed attempt left behind: lines of phases this run will (re)do (by what
         each line is, see ssl_engine.hooks.resume_point), and a partial last line. Rewrites the
         file (atomically) only when there is something to drop."""
-        if not du.is_primary() or not os.path.lexists(self.path):
+        if not du.is_primary():
+            return
+        if not os.path.lexists(self.path):
+            self._warn_lost_lines(task, [])
             return
         if not self.path.is_file():
             raise UserError(f"{self.path} is not a file; the run writes its phase metrics there: move it away")
@@ -139,6 +142,22 @@ class MetricsHook(SSLHook):
                         self.path, unreadable, aside.name)
         if len(kept) != len(records) or partial or len(records) != text.count("\n"):
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._warn_lost_lines(task, kept)
+
+    def _warn_lost_lines(self, task: Any, kept: List[Dict[str, Any]]) -> None:
+        """A resumed run does not run the train phases its checkpoint covers again: when their
+        lines are missing (metrics.json emptied, replaced or deleted since), say so, once."""
+        point = getattr(task, "resume_point", None)
+        if point is None:
+            return
+        k, train, complete = int(point[0]), bool(point[1]), bool(point[2])
+        covered = k + 1 if (not train or complete) else k  # train phases 0 .. covered - 1 are done
+        have = {pos for pos in map(record_position, kept) if pos is not None}
+        missing = [str(i) for i in range(covered) if (i, 0) not in have]
+        if missing:
+            log.warning("%s has no line for train phase%s %s, which the checkpoint covers (the file was emptied, "
+                        "replaced or deleted since): those phases are not run again, so their lines stay missing",
+                        self.path, "s" if len(missing) > 1 else "", first_few(missing, quote=False))
 
     @property
     def synced_by_checkpoints(self) -> List[Path]:

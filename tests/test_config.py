@@ -1009,3 +1009,17 @@ def test_settings_that_are_not_acted_on_are_reported_also_inside_free_form_secti
                  "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true", "config.HOOKS.TENSORBOARD_SETUP.LOG_DIR=/tmp/tb",
                  "config.HOOKS.TENSORBOARD_SETUP.EXPERIMENT_LOG_DIR=my_exp"])
     assert "opt_level" not in caplog.text and "EXPERIMENT_LOG_DIR" not in caplog.text
+
+
+def test_config_naming_a_folder_or_a_broken_link_with_a_yaml_name_says_what_it_is(tmp_path):
+    (tmp_path / "dir.yaml").mkdir()
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    with pytest.raises(ConfigError) as e:  # was: "no such file; nearest in ...: dir.yaml, dangling.yaml"
+        compose([f"config={tmp_path / 'dir.yaml'}"])
+    assert str(e.value) == f"config={tmp_path / 'dir.yaml'} is a folder ({tmp_path / 'dir.yaml'}), not a yaml file; " \
+                           f"it holds no yaml files"
+    with pytest.raises(ConfigError, match=r"dangling\.yaml is a symbolic link to .*gone\.yaml, which is no readable file"):
+        compose([f"config={tmp_path / 'dangling.yaml'}"])
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={tmp_path / 'none.yaml'}"])
+    assert str(e.value) == f"config={tmp_path / 'none.yaml'}: no such file"  # neither is offered as the nearest file

@@ -353,7 +353,11 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
     as_path = Path(value).expanduser()
     if value.endswith((".yaml", ".yml")) and (as_path.is_file() or as_path.is_absolute()):
         if not as_path.is_file():
-            near = sorted(p.name for p in as_path.parent.glob("*.y*ml")) if as_path.parent.is_dir() else []
+            _refuse_folder(value, value)
+            if as_path.is_symlink():
+                raise ConfigError(f"config={value} is a symbolic link to {os.readlink(as_path)}, which is no readable "
+                                  f"file; fix the link or name the file itself")
+            near = sorted(p.name for p in as_path.parent.glob("*.y*ml") if p.is_file()) if as_path.parent.is_dir() else []
             near = closest(as_path.name, near, n=3)
             hint = f"; nearest in {as_path.parent}: {', '.join(near)}" if near else ""
             raise ConfigError(f"config={value}: no such file{hint}")

@@ -130,7 +130,8 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> 
         raise
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (as any user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -148,7 +149,7 @@ def remove_stale_temp_files(folder: Path) -> List[str]:
         return removed
     for p in folder.iterdir():
         m = re.match(r"^\..+\.tmp\.(\d+)$", p.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             try:
                 p.unlink()
                 removed.append(p.name)

@@ -15,6 +15,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import socket
@@ -83,6 +84,30 @@ def check_devices(cfg: AttrDict) -> None:
         )
 
 
+RDZV_PREFIX, ERR_PREFIX = "ssl_engine_rdzv_", "ssl_engine_err_"
+
+
+def launcher_temp_dir(prefix: str, parent: Optional[str] = None) -> str:
+    """A fresh folder ``<prefix><pid>_<random>`` for this launcher's ranks, removed at its end.
+
+    A launcher killed with SIGKILL cannot remove its folders; the next launcher does: folders of
+    the same kind whose launcher pid no longer runs are removed first (a folder named without a
+    pid, or of a live process, is left alone).
+    """
+    from ssl_engine.checkpoint import pid_alive
+
+    base = parent or tempfile.gettempdir()
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        entries = []
+    for entry in entries:
+        m = re.fullmatch(rf"{re.escape(prefix)}(\d+)_\w+", entry)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_", dir=parent)
+
+
 def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
     """The rendezvous URL of the ranks, and a temporary folder to remove at the end (or None)."""
     d = cfg.DISTRIBUTED
@@ -114,7 +139,7 @@ def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
         # /dev/shm (a local tmpfs) comes first.
         shm = "/dev/shm"
         local = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-        folder = tempfile.mkdtemp(prefix="ssl_engine_rdzv_", dir=local)
+        folder = launcher_temp_dir(RDZV_PREFIX, local)
         return f"file://{os.path.join(folder, 'rendezvous')}", folder
     host, _, port = str(d.RUN_ID).rpartition(":")
     if not host or not port.isdigit():
@@ -241,7 +266,7 @@ class RankGroup:
         """Start the ranks, wait for all of them, and return the exit code of the node."""
         init_method, rdzv_dir = init_method_for(self.cfg)
         short_sockets_if_needed(self.cfg, spawns_ranks=True)  # a SLURM node's TMPDIR too
-        self._error_dir = tempfile.mkdtemp(prefix="ssl_engine_err_")
+        self._error_dir = launcher_temp_dir(ERR_PREFIX)
         forwarded: Dict[int, Any] = {}
 
         def forward(signum: int, frame: Any) -> None:  # preemption and Ctrl-C reach every rank

@@ -197,6 +197,19 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
     ``tool_process``: this process is the command's own, started to run it and end (the tools'
     ``__main__``), not a caller that goes on afterwards: composing may then overlap importing
     torch, and a config mistake may end the process directly (see prepare_config)."""
+    code = RUN_FAILED_EXIT_CODE  # an exception out of the command (with --debug) ends the process with 1
+    try:
+        code = _run_command(argv, body, tool_process)
+        return code
+    finally:
+        if tool_process:  # the command has ended: its exit code must survive the process's shutdown
+            from ssl_engine import preemption
+
+            preemption.ignore_from_now()
+            _exit_at_once_on_ctrl_c(code)
+
+
+def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool) -> int:
     from ssl_engine import startup_gc
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -235,11 +248,28 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         # pool's lock released twice): the run was interrupted, not broken
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
-    finally:
-        if tool_process:  # the command has ended: its exit code must survive the process's shutdown
-            from ssl_engine import preemption
 
-            preemption.ignore_from_now()
+
+def _exit_at_once_on_ctrl_c(code: int) -> None:
+    """Ctrl-C after the command has ended (during Python's shutdown: joining threads, atexit
+    functions of torch and multiprocessing) ends the process at once with the command's exit
+    ``code``, instead of a KeyboardInterrupt traceback out of whichever atexit function it landed
+    in. Everything the command writes is on disk by then."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum: int, frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    signal.signal(signal.SIGINT, leave)
 
 
 def _raised_while_interrupted(error: BaseException) -> bool:

@@ -723,3 +723,25 @@ def test_a_plain_python_pickle_is_named_as_such_not_as_a_truncated_file(tmp_path
     legacy.write_bytes(legacy.read_bytes()[:40])
     with pytest.raises(CheckpointError, match="is truncated or corrupt: its pickle cannot be read"):
         ck.load_checkpoint(legacy)
+
+
+def test_ctrl_c_during_the_shutdown_after_the_command_ended_keeps_its_exit_code_and_prints_no_traceback(tmp_path):
+    """A second Ctrl-C often lands while Python shuts down (torch's and multiprocessing's atexit
+    functions): it printed 'Exception ignored in atexit callback ... KeyboardInterrupt'. Now the
+    process ends at once with the command's exit code (here a finished run's 0)."""
+    probe = tmp_path / "late_ctrl_c.py"
+    probe.write_text(textwrap.dedent("""\
+        import atexit, os, signal, time
+
+        def arm(task):
+            def late_ctrl_c():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)
+            atexit.register(late_ctrl_c)
+        """))
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+                  "config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.DATA_LIMIT=8",
+                  "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", f"config.USER_MODULES=[{probe}]",
+                  "+config.HOOKS.CUSTOM=[{name: CallbackHook, params: {on_end: 'late_ctrl_c:arm'}}]"])
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-3000:]
+    assert (tmp_path / "run" / "model_final_checkpoint_phase0.torch").is_file()

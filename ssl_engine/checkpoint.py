@@ -671,7 +671,6 @@ def _unreadable_because(path: Path, error: Exception) -> str:
             head = f.read(8)
             f.seek(max(0, size - 1))
             last = f.read(1)  # a whole pickle ends with its STOP opcode, '.'
-
     except OSError as e:
         return f"cannot be read: {e.strerror}"
     if size == 0:

@@ -34,3 +34,5 @@ def setup_logging(rank: int = 0, folder: Optional[str] = None, verbose: bool = F
     root.setLevel(level)
     for noisy in ("PIL", "matplotlib", "fvcore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not verbose:  # torch's own INFO lines (e.g. FakeTensor cache statistics at exit) are for its developers
+        logging.getLogger("torch").setLevel(logging.WARNING)

@@ -1023,3 +1023,20 @@ def test_config_naming_a_folder_or_a_broken_link_with_a_yaml_name_says_what_it_i
     with pytest.raises(ConfigError) as e:
         compose([f"config={tmp_path / 'none.yaml'}"])
     assert str(e.value) == f"config={tmp_path / 'none.yaml'}: no such file"  # neither is offered as the nearest file
+
+
+def test_torchs_own_info_lines_stay_out_of_the_log(tmp_path):
+    """torch logs statistics at INFO at exit (FakeTensor cache stats) once anything set its
+    logger to INFO; a run's log shows its own lines, not those."""
+    from ssl_engine.logger import setup_logging
+
+    torch_log = logging.getLogger("torch")
+    before = torch_log.level
+    try:
+        torch_log.setLevel(logging.NOTSET)  # as the root's INFO would reach it
+        setup_logging(0, str(tmp_path))
+        assert not logging.getLogger("torch._subclasses.fake_tensor").isEnabledFor(logging.INFO)
+        assert logging.getLogger("ssl_engine.x").isEnabledFor(logging.INFO)
+    finally:
+        setup_logging(0, None)
+        torch_log.setLevel(before)

@@ -247,6 +247,7 @@ ROWS: List[Row] = [
       tool=False),
     R("test-meter-fewer-classes-than-labels", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,4]}]]",
                                                "config.LOSS.name=simclr_info_nce_loss", "config.TEST_MODEL=true",
+                                               "config.LOSS.simclr_info_nce_loss.buffer_params.embedding_dim=4",
                                                "config.METERS.enable_training_meter=false"),
       ("MODEL.HEAD.PARAMS[0] (mlp)", "the meter config.METERS.accuracy_list_meter", "outputs 4 classes",
        "config.DATA.TEST has label 9"), tool=False),

@@ -490,7 +490,7 @@ def test_a_model_without_heads_writes_its_output_as_heads(tmp_path: Path) -> Non
     np.testing.assert_array_equal(load_features(tmp_path / "trunk", "train", layer)["features"], feats["features"])
 
 
-def test_a_pool_op_larger_than_its_layer_is_one_line_and_the_split_is_marked_failed(tmp_path: Path) -> None:
+def test_a_pool_op_larger_than_its_layer_is_one_line_before_launch(tmp_path: Path) -> None:
     # VISSL's maps are sized for 224x224 crops: AvgPool2d 6x6 on res4 of a 32x32 image (2x2) cannot run
     big_pool = "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP=[[res4,[AvgPool2d,[[6,6],1,0]]]]"
     common = ["config=quick/simclr_synthetic", "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=true",
@@ -506,11 +506,8 @@ def test_a_pool_op_larger_than_its_layer_is_one_line_and_the_split_is_marked_fai
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
     assert all(text in err for text in must), err
-    status = extraction_status(out, "TRAIN")
-    assert status["status"] == "failed" and "AvgPool2d" in status["error"], status
-    with pytest.raises(FeatureShardError, match="failed .*AvgPool2d"):
-        load_features(out, "train", "res4")
-    # the same map in a linear evaluation: the first step ends the run the same way
+    assert not out.exists()  # found on the meta device before launch: nothing was written
+    # the same map in a linear evaluation: the same line, before launch too
     proc = tool([*common, f"config.CHECKPOINT.DIR={tmp_path / 'train'}", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[256,10]}]]",
                  "config.LOSS.name=cross_entropy_multiple_output_single_target"], ok=False)
     err = proc.stderr.strip()
@@ -795,3 +792,19 @@ def test_a_garbled_shard_or_a_folder_for_a_status_file_is_one_line_that_does_not
     status_path(tmp_path, "TRAIN").mkdir()
     with pytest.raises(FeatureShardError, match=r"is not a status file of this engine \(not a readable file\)"):
         extraction_status(tmp_path, "train")
+
+
+def test_an_extraction_that_fails_while_running_marks_its_split_failed(tmp_path: Path) -> None:
+    """An error inside the extraction (here two views per sample, which the collator gives and
+    only the first batch shows) is one line, and the split's status says failed and why, so that
+    a reader names it instead of reading a half-written split."""
+    out = tmp_path / "extract"
+    proc = tool(["config=quick/simclr_synthetic", "engine_name=extract_features", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
+                 f"config.CHECKPOINT.DIR={out}", "config.DATA.TRAIN.DATA_LIMIT=8",
+                 "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4"], ok=False)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    status = extraction_status(out, "TRAIN")
+    assert status["status"] == "failed" and "2 views per sample" in status["error"], status
+    with pytest.raises(FeatureShardError, match="failed .*2 views per sample"):
+        load_features(out, "train", "heads")

@@ -561,7 +561,9 @@ def test_a_checkpoint_without_phase_data_resumes_as_before(setup, reference, tmp
     r = run(cfg, folder)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
-    assert "resumed from" in out and not re.findall(r"^(?:\[rank \d+\] )?W \d", out, re.M), out[-3000:]
+    # no warning but the one for the metrics lines this bare folder lacks (it holds the checkpoint alone)
+    warnings = [w for w in re.findall(r"^(?:\[rank \d+\] )?W \d.*$", out, re.M) if "has no line for train phase" not in w]
+    assert "resumed from" in out and not warnings, out[-3000:]
     assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
 

@@ -88,24 +88,27 @@ RDZV_PREFIX, ERR_PREFIX = "ssl_engine_rdzv_", "ssl_engine_err_"
 
 
 def launcher_temp_dir(prefix: str, parent: Optional[str] = None) -> str:
-    """A fresh folder ``<prefix><pid>_<random>`` for this launcher's ranks, removed at its end.
+    """A fresh folder ``<prefix><host>_<pid>_<random>`` for this launcher's ranks, removed at its end.
 
     A launcher killed with SIGKILL cannot remove its folders; the next launcher does: folders of
-    the same kind whose launcher pid no longer runs are removed first (a folder named without a
-    pid, or of a live process, is left alone).
+    the same kind, made on this host by a launcher whose pid no longer runs, are removed first
+    (a folder of another host, on a shared temp dir, or without a pid in its name, is left alone).
     """
+    import socket
+
     from ssl_engine.checkpoint import pid_alive
 
+    mine = f"{prefix}{socket.gethostname()}_"
     base = parent or tempfile.gettempdir()
     try:
         entries = os.listdir(base)
     except OSError:
         entries = []
     for entry in entries:
-        m = re.fullmatch(rf"{re.escape(prefix)}(\d+)_\w+", entry)
+        m = re.fullmatch(rf"{re.escape(mine)}(\d+)_\w+", entry)
         if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_", dir=parent)
+    return tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}_", dir=parent)
 
 
 def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:

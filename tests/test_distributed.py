@@ -845,16 +845,20 @@ def test_nccl_keys_set_the_environment_of_the_ranks(tmp_path: Path) -> None:
 def test_a_killed_launchers_rendezvous_folder_is_removed_by_the_next_launcher(tmp_path: Path) -> None:
     """A launcher killed with SIGKILL cannot remove its rendezvous folder (in /dev/shm); the next
     one removes the folders of launchers that no longer run, and leaves a live one's alone."""
+    import socket
+
     from ssl_engine.launch import RDZV_PREFIX, launcher_temp_dir
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    gone = tmp_path / f"{RDZV_PREFIX}{dead.pid}_abc123"
-    live = tmp_path / f"{RDZV_PREFIX}{os.getppid()}_def456"
+    host = socket.gethostname()
+    gone = tmp_path / f"{RDZV_PREFIX}{host}_{dead.pid}_abc123"
+    live = tmp_path / f"{RDZV_PREFIX}{host}_{os.getppid()}_def456"
+    other_host = tmp_path / f"{RDZV_PREFIX}other-node_{dead.pid}_ghi012"  # a shared temp dir: not ours to judge
     unnamed = tmp_path / f"{RDZV_PREFIX}xyz789"
-    for folder in (gone, live, unnamed):
+    for folder in (gone, live, other_host, unnamed):
         folder.mkdir()
         (folder / "rendezvous").write_text("")
     new = Path(launcher_temp_dir(RDZV_PREFIX, str(tmp_path)))
-    assert new.name.startswith(f"{RDZV_PREFIX}{os.getpid()}_") and new.is_dir()
-    assert not gone.exists() and live.exists() and unnamed.exists()
+    assert new.name.startswith(f"{RDZV_PREFIX}{host}_{os.getpid()}_") and new.is_dir()
+    assert not gone.exists() and live.exists() and other_host.exists() and unnamed.exists()

@@ -119,7 +119,8 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> 
         except OSError:
             pass
         os_error = _os_error_in(e)
-        gone = folder_gone(str(path)) if os_error is not None else None
+        # the run made this folder: a file that cannot be made in it means the folder went away
+        gone = folder_gone(str(path), known=True) if os_error is not None and os_error.errno == errno.ENOENT else None
         if gone is not None:
             raise CheckpointError(str(gone)) from e
         if os_error is not None:

@@ -85,13 +85,15 @@ def file_system_error(error: BaseException) -> Optional[UserError]:
     return None
 
 
-def folder_gone(path: str) -> Optional[UserError]:
+def folder_gone(path: str, known: bool = False) -> Optional[UserError]:
     """A UserError when the folder of ``path`` (a file the run writes) no longer exists: it was
-    deleted or moved while the run used it, and its earlier files with it; None otherwise."""
+    deleted or moved while the run used it, and its earlier files with it; None otherwise.
+    ``known``: the caller saw the folder vanish (a write in it failed with ENOENT), so the error
+    is given even while a deletion still in progress leaves the folder in place."""
     import os
 
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(folder):
+    if not known and os.path.isdir(folder):
         return None
     return UserError(f"cannot use {os.path.basename(path)}: its folder {folder} is gone (deleted or moved while the "
                      f"run was using it, with the files written there); rerun the command to start again")

@@ -655,9 +655,12 @@ def _position(path: Path) -> Optional[Tuple[int, int]]:
     when it cannot be read."""
     try:
         data = peek_checkpoint(path)
-        return int(data["iteration"]), int(data["phase_idx"])
-    except (CheckpointError, KeyError, TypeError, ValueError):
+        position = data["iteration"], data["phase_idx"]
+    except (CheckpointError, KeyError, TypeError):
         return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in position):
+        return None  # a tensor, a string, ...: the search skips the file with its own warning
+    return position
 
 
 def _unreadable_because(path: Path, error: Exception) -> str:

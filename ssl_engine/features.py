@@ -186,7 +186,10 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
                 f"{', '.join(missing)} file; extract again"
             )
     ranks = sorted({r for r, _ in shards})
-    if ranks != list(range(len(ranks))):
+    # a rank all of whose samples were unreadable writes no shard: a complete extraction that left
+    # samples out may lack a rank (the sample count, checked on loading, still has to match)
+    left_out = (extraction_status(folder, split) or {}).get("unreadable")
+    if ranks != list(range(len(ranks))) and not left_out:
         raise FeatureShardError(
             f"inconsistent feature shards in {folder}: split {split!r} layer {layer!r} has shards of ranks "
             f"{ranks}, not 0..{len(ranks) - 1}; extract again into an empty folder"

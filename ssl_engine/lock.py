@@ -97,8 +97,9 @@ def _parse(raw: bytes) -> Optional[Dict[str, Any]]:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
-        return None
+    pid = data.get("pid") if isinstance(data, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+        return None  # garbled (a pid no process can have): taken over as unreadable
     return data
 
 

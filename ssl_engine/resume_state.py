@@ -80,6 +80,10 @@ def from_vissl(data: Dict[str, Any], train_batches: Optional[int], source: str) 
     state = data["classy_state_dict"]
     phase_idx, k, iteration = int(data["phase_idx"]), int(data["train_phase_idx"]), int(data["iteration"])
     start = iteration - (k + 1) * train_batches if train_batches else 0
+    if train_batches and start == train_batches:
+        # an iteration checkpoint written at the last batch of an epoch: VISSL lowered its counters,
+        # but that epoch is done
+        phase_idx, k, start = phase_idx + 1, k + 1, 0
     in_phase = 0 < start < (train_batches or 0)
     if start != 0 and not in_phase:
         log.warning(
@@ -89,7 +93,7 @@ def from_vissl(data: Dict[str, Any], train_batches: Optional[int], source: str) 
         )
     optimizer = state.get("optimizer")
     torch_state = optimizer.get("optim") if isinstance(optimizer, dict) else None
-    loss = data.get("loss", data.get("criterion"))
+    loss = data.get("loss") or data.get("criterion")  # VISSL's key before it was renamed "loss"
     converted = {
         "written_by": WRITTEN_BY_VISSL,
         "base_model": state["base_model"],

@@ -976,10 +976,12 @@ def test_an_override_into_a_list_entry_names_the_entry_or_the_valid_indices(tmp_
         with pytest.raises(ConfigError, match=rf"TRANSFORMS is a list of 6 entries, so '{index}' names none of them "
                                               r"\(indices: 0-5\)"):
             compose([f"config={path}", f"config.DATA.TRAIN.TRANSFORMS.{index}.size=64"], warn_unused=False)
-    # a whole entry is replaced, also by a mapping with options the old entry lacks (was "unknown config key")
+    # a mapping given for an entry is merged into it, also with options the old entry lacks (was "unknown
+    # config key"); what the old entry has and the mapping does not name stays (hydra's merge)
+    before = compose([f"config={path}"], warn_unused=False).DATA.TRAIN.TRANSFORMS[2]
     cfg = compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.2={name:RandomHorizontalFlip,p:0.3}"],
                   warn_unused=False)
-    assert cfg.DATA.TRAIN.TRANSFORMS[2] == {"name": "RandomHorizontalFlip", "p": 0.3}
+    assert cfg.DATA.TRAIN.TRANSFORMS[2] == {**before, "name": "RandomHorizontalFlip", "p": 0.3}
     assert len(cfg.DATA.TRAIN.TRANSFORMS) == 6
     with pytest.raises(ConfigError, match=r"TRANSFORMS is a list of 6 entries, so '7' names none of them"):
         compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.7={name:ToTensor}"], warn_unused=False)

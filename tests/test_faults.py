@@ -745,3 +745,17 @@ def test_ctrl_c_during_the_shutdown_after_the_command_ended_keeps_its_exit_code_
                   "+config.HOOKS.CUSTOM=[{name: CallbackHook, params: {on_end: 'late_ctrl_c:arm'}}]"])
     assert r.returncode == 0 and "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-3000:]
     assert (tmp_path / "run" / "model_final_checkpoint_phase0.torch").is_file()
+
+
+@pytest.mark.parametrize("pid", [10**20, -1, 0])
+def test_a_lock_with_a_pid_no_process_can_have_is_garbled_not_a_live_owner(tmp_path, pid):
+    """A hand-edited lock: pid 10**20 was an OverflowError traceback, -1 (os.kill(-1, 0) succeeds) a
+    live owner forever; both are a garbled lock, taken over like any unreadable one."""
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+    check_folder_free(tmp_path)  # no refusal, no traceback
+    old = time.time() - 60
+    os.utime(tmp_path / LOCK_NAME, (old, old))  # past the grace period of a lock being written
+    lock = FolderLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()

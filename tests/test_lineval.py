@@ -355,3 +355,23 @@ def test_a_pool_op_too_large_for_its_layer_is_one_line_before_launch(tmp_path: P
         "error: config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP[1]: AvgPool2d(kernel_size=(6, 6), "
         "stride=1, padding=0) does not fit trunk layer 'res4' of [256, 2, 2] (input images 32x32)"), r.stderr[-2000:]
     assert not folder.exists()
+
+
+def test_the_pool_op_check_before_launch_covers_every_split() -> None:
+    """A 2x2 pool on res4 fits 32x32 TRAIN images (res4 2x2) but not 8x8 TEST ones (res4 1x1): the
+    check runs the model on each split's image size, not on the first split's alone."""
+    from ssl_engine.config.validate import check_pool_ops_fit
+    from ssl_engine.errors import UserError
+    from ssl_engine.models import build_model
+
+    cfg = compose(["config=quick/linear_eval_digits",
+                   "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP="
+                   "[[res5avg,[Identity,[]]],[res4,[AvgPool2d,[[2,2],2,0]]]]",
+                   "config.MODEL.HEAD.PARAMS=[[eval_mlp,{in_channels:512,dims:[512,10]}],"
+                   "[eval_mlp,{in_channels:256,dims:[256,10]}]]"], warn_unused=False)
+    with torch.device("meta"):
+        model = build_model(cfg.MODEL, cfg.OPTIMIZER)
+    train = [{"data": [torch.zeros(3, 32, 32)]}]
+    check_pool_ops_fit(model, {"TRAIN": train})
+    with pytest.raises(UserError, match=r"does not fit trunk layer 'res4' of \[256, 1, 1\] \(input images 8x8\)"):
+        check_pool_ops_fit(model, {"TRAIN": train, "TEST": [{"data": [torch.zeros(3, 8, 8)]}]})

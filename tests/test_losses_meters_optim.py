@@ -718,3 +718,14 @@ def test_simclr_embedding_dim_is_checked_against_the_head_before_launch_and_the_
         "error: config.LOSS.simclr_info_nce_loss.buffer_params.embedding_dim=256 does not match the embedding size "
         "dims[-1]=64 of "), r.stderr[-2000:]
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_optimizer_state_of_other_shapes_or_no_mapping_is_a_checkpoint_error():
+    model = nn.Linear(4, 2)
+    opt = SSLOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), {"lr": lambda where: 0.1})
+    state = opt.state_dict()
+    bad = {**state, "optimizer": {**state["optimizer"], "state": {0: {"momentum_buffer": torch.zeros(3)}}}}
+    with pytest.raises(CheckpointError, match=r"momentum_buffer of parameter 0 has shape \[3\], the parameter \[2, 4\]"):
+        opt.load_state_dict(bad)
+    with pytest.raises(CheckpointError, match="optimizer state is a int, not a mapping"):
+        opt.load_state_dict({**state, "optimizer": {**state["optimizer"], "state": 5}})

@@ -784,3 +784,34 @@ def test_a_metrics_file_emptied_before_a_resume_says_which_lines_are_lost(setup,
     r = run(cfg, whole, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=4")
     assert r.returncode == 0 and "resumed from" in r.stdout + r.stderr, r.stderr[-3000:]
     assert "has no line for train phase" not in r.stdout + r.stderr
+
+
+def test_a_vissl_iteration_checkpoint_at_the_last_batch_of_an_epoch_is_that_epochs_end():
+    """VISSL lowers the counters of an iteration checkpoint; one written at the epoch's last batch
+    (iteration 6 of 6 per epoch, counters -1) is the end of train phase 0, not a position outside
+    the epoch (which trained that epoch again)."""
+    from ssl_engine.resume_state import from_vissl
+
+    data = {"phase_idx": -1, "train_phase_idx": -1, "iteration": 6, "iteration_num": 7,
+            "classy_state_dict": {"train": True, "base_model": {}, "optimizer": {}, "phase_idx": -1,
+                                  "train_phase_idx": -1}}
+    state = from_vissl(data, 6, "x.torch")
+    assert (state["phase_idx"], state["train_phase_idx"], state["phase_complete"], state["local_iteration_num"]) == \
+        (0, 0, True, 0)
+    data.update(iteration=2)  # 2 batches into train phase 0
+    state = from_vissl(data, 6, "x.torch")
+    assert (state["train_phase_idx"], state["phase_complete"], state["local_iteration_num"]) == (0, False, 2)
+
+
+def test_a_moco_queue_of_another_size_is_one_line(tmp_path):
+    """The checkpoint's MoCo queue (embedding_dim x queue_size) against another config.LOSS.moco_loss:
+    one line naming the keys, exit 2 (was a RuntimeError traceback when the hook attached the encoder)."""
+    base = ["config=quick/moco_synthetic", f"config.CHECKPOINT.DIR={tmp_path}", "config.DATA.TRAIN.DATA_LIMIT=16",
+            "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DATA.NUM_DATALOADER_WORKERS=0"]
+    assert run_tool([*base, "config.OPTIMIZER.num_epochs=1"]).returncode == 0
+    r = run_tool([*base, "config.OPTIMIZER.num_epochs=2", "config.CHECKPOINT.OVERWRITE_EXISTING=true",
+                  "config.LOSS.moco_loss.queue_size=32"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "the checkpoint's MoCo queue is [" in line and "resume with the checkpoint's embedding_dim and queue_size" \
+        in line, line

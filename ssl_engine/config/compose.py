@@ -576,8 +576,9 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if _is_option_of_free_form_section(key):
                 key = f"++{key}"  # not in defaults.yaml's {}, so hydra wants '+' (or none when a yaml set it)
             elif not key.startswith("+") and key.rsplit(".", 1)[-1].isdigit():
-                # a whole entry of a list, replaced: hydra's struct mode would refuse a mapping whose
-                # options the old entry lacks ({name: RandomHorizontalFlip, p: 0.3} over ToTensor)
+                # an entry of a list given whole: hydra's struct mode would refuse a mapping with options
+                # the old entry lacks ({name: RandomHorizontalFlip, p: 0.3} over ToTensor); it merges
+                # the mapping into the entry
                 key = f"++{key}"
             hydra_overrides.append(f"{key}={value}")
         user_file = None

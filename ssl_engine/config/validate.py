@@ -897,20 +897,22 @@ def check_pool_ops_fit(model: Any, datasets: Dict[str, Any]) -> None:
     one-line error before launch, not after the run has started in its folder."""
     import torch
 
-    if not getattr(model, "feat_layer_names", None) or not datasets:
+    if not getattr(model, "feat_layer_names", None):
         return
-    try:
-        sample = next(iter(datasets.values()))[0]
-        first = sample["data"][0]
-    except Exception:  # noqa: BLE001 - an unreadable first image is the run's to report
-        return
-    if not isinstance(first, torch.Tensor) or first.ndim != 3:
-        return
+    shapes = []
+    for dataset in datasets.values():  # each split: their transforms may give other sizes
+        try:
+            first = dataset[0]["data"][0]
+        except Exception:  # noqa: BLE001 - an unreadable first image is the run's to report
+            continue
+        if isinstance(first, torch.Tensor) and first.ndim == 3 and tuple(first.shape) not in shapes:
+            shapes.append(tuple(first.shape))
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            model(torch.empty((2,) + tuple(first.shape), device="meta"))
+        for shape in shapes:
+            with torch.no_grad():
+                model(torch.empty((2,) + shape, device="meta"))
     except UserError:
         raise
     except Exception:  # noqa: BLE001 - an op without a meta kernel: the run checks at its first step

@@ -215,19 +215,21 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     finally:
         stop_workers(batches)  # now, also on an error (see stop_workers)
     # every rank's shards are on disk past this point
-    gathered = du.all_gather_object((writer.num_samples, stopped, unreadable))
-    if any(stop for _, stop, _ in gathered):
+    layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
+    gathered = du.all_gather_object((writer.num_samples, stopped, unreadable, layers))
+    if any(stop for _, stop, _, _ in gathered):
         raise preemption.Preempted(
-            f"stopped extracting {split.lower()} features on a preemption signal after {sum(n for n, _, _ in gathered)} "
-            f"samples; rerun the same command to extract them again"
+            f"stopped extracting {split.lower()} features on a preemption signal after "
+            f"{sum(n for n, _, _, _ in gathered)} samples; rerun the same command to extract them again"
         )
-    counts = [n for n, _, _ in gathered]
-    left_out = sorted(i for _, _, rank_left_out in gathered for i in rank_left_out)
+    counts = [n for n, _, _, _ in gathered]
+    left_out = sorted(i for _, _, rank_left_out, _ in gathered for i in rank_left_out)
+    for _, _, _, rank_layers in gathered:  # a rank that wrote nothing (every sample unreadable) knows none
+        layers = layers or rank_layers
     if left_out and du.is_primary():
         log.warning("%d unreadable %s image(s) left out of the features (sample indices %s; the warnings above name "
                     "their files): no other image's features are written under their indices", len(left_out),
                     split, first_few(left_out, quote=False))
-    layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
     if du.is_primary():
         label_type = str(cfg.DATA[split].get("LABEL_TYPE", "standard"))
         classes = label_class_names(cfg, split) if label_type == "standard" else None

@@ -148,7 +148,7 @@ class MetricsHook(SSLHook):
         """A resumed run does not run the train phases its checkpoint covers again: when their
         lines are missing (metrics.json emptied, replaced or deleted since), say so, once."""
         point = getattr(task, "resume_point", None)
-        if point is None:
+        if point is None or getattr(task, "resumed_from_vissl", False):  # VISSL's own folder: its lines are its own
             return
         k, train, complete = int(point[0]), bool(point[1]), bool(point[2])
         covered = k + 1 if (not train or complete) else k  # train phases 0 .. covered - 1 are done

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from classy_vision.losses import ClassyLoss
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import UserError
+from ssl_engine.errors import CheckpointError, UserError
 from ssl_engine.gather import is_distributed
 from ssl_engine.losses.outputs import single_output
 from ssl_engine.registry import LOSSES
@@ -85,14 +85,28 @@ class MoCoLoss(ClassyLoss):
         self.moco_encoder = encoder
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
-            super().load_state_dict(state)
+            try:
+                super().load_state_dict(state)
+            except RuntimeError as e:
+                raise CheckpointError(f"the checkpoint's MoCo momentum encoder does not fit this model "
+                                      f"({' '.join(str(e).split())[:300]})") from None
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, **kwargs: Any) -> Any:
-        """A checkpoint's state; its momentum encoder waits until the hook has attached one."""
+        """A checkpoint's state; its momentum encoder waits until the hook has attached one. The
+        queue is checked at once: one of another size is a CheckpointError naming the keys."""
+        self._check_queue(state_dict)
         if self.moco_encoder is None and any(k.startswith("moco_encoder.") for k in state_dict):
             self._pending_state = dict(state_dict)
             return None
         return super().load_state_dict(state_dict, strict=strict, **kwargs)
+
+    def _check_queue(self, state_dict: Dict[str, Any]) -> None:
+        queue = state_dict.get("queue")
+        if isinstance(queue, torch.Tensor) and queue.shape != self.queue.shape:
+            raise CheckpointError(
+                f"the checkpoint's MoCo queue is {list(queue.shape)} (embedding_dim x queue_size) but {KEY} gives "
+                f"{list(self.queue.shape)}; resume with the checkpoint's embedding_dim and queue_size"
+            )
 
     # ------------------------------------------------------------------ forward
     def forward(self, output: Union[torch.Tensor, Sequence[torch.Tensor]], target: Any = None) -> torch.Tensor:

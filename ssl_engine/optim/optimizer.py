@@ -323,7 +323,11 @@ class SSLOptimizer:
                 f"the checkpoint's optimizer holds {len(saved_ids)} parameters, this model trains {len(params)}"
             )
         position = {pid: n for n, pid in enumerate(saved_ids)}
-        for pid, values in (saved.get("state") or {}).items():
+        per_param = saved.get("state") or {}
+        if not isinstance(per_param, Mapping):
+            raise CheckpointError(f"the checkpoint's optimizer state is a {type(per_param).__name__}, not a mapping "
+                                  f"of parameters")
+        for pid, values in per_param.items():
             n = position.get(pid)
             if n is None or not isinstance(values, Mapping):
                 continue

@@ -86,6 +86,7 @@ class SelfSupervisionTask(ClassyTask):
         self.train = True
         self.phase_complete = False
         self._resume_in_phase = False
+        self.resumed_from_vissl = False  # set by set_classy_state: the checkpoint was VISSL's
         self._prefetched: Any = None  # ((phase type, epoch, start iter), iterator) from prefetch_next_phase
         self.phase_resumed = False  # True while in a phase re-entered by a mid-phase resume
         self.rank = du.get_rank()
@@ -534,12 +535,12 @@ class SelfSupervisionTask(ClassyTask):
             else:
                 try:
                     self.optimizer.load_state_dict(state["optimizer"])
-                except (CheckpointError, ValueError, KeyError, TypeError) as e:
+                except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as e:
                     fresh.append(f"the optimizer ({e})")
         if self.loss is not None and state.get("loss"):
             try:
                 self.loss.load_state_dict(state["loss"])
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            except (CheckpointError, RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
                 fresh.append(f"the loss ({' '.join(str(e).split())[:200]})")
         if fresh and du.is_primary():
             log.warning("VISSL's checkpoint: the state of %s does not fit this run and starts fresh", " and of ".join(fresh))
@@ -670,7 +671,8 @@ class SelfSupervisionTask(ClassyTask):
                 state["num_phases"], len(self.phases),
             )
         self.load_model_state(state["base_model"])
-        if state.get("written_by") == WRITTEN_BY_VISSL:
+        self.resumed_from_vissl = state.get("written_by") == WRITTEN_BY_VISSL
+        if self.resumed_from_vissl:
             self._set_vissl_optimizer_and_loss(state)
         else:
             if self.loss is not None and state.get("loss"):

@@ -989,8 +989,14 @@ def test_an_override_into_a_list_entry_names_the_entry_or_the_valid_indices(tmp_
     with pytest.raises(ConfigError) as e:  # was: "list indices must be integers or slices, not str"
         compose([f"config={path}", "~config.DATA.TRAIN.TRANSFORMS.1"], warn_unused=False)
     assert str(e.value) == ("~config.DATA.TRAIN.TRANSFORMS.1: an entry of the list config.DATA.TRAIN.TRANSFORMS cannot be "
-                            "deleted on its own; give the list without it, config.DATA.TRAIN.TRANSFORMS=[...] (quoted "
-                            "as one shell word)")
+                            "deleted on its own; give the list as you want it, config.DATA.TRAIN.TRANSFORMS=[...] "
+                            "(quoted as one shell word)")
+    with pytest.raises(ConfigError, match=r"TRANSFORMS.1.size: hydra deletes keys of sections, not options inside an "
+                                          r"entry of the list config.DATA.TRAIN.TRANSFORMS; give the list as you want it"):
+        compose([f"config={path}", "~config.DATA.TRAIN.TRANSFORMS.1.size"], warn_unused=False)
+    # a number as the last part of a key that is no list entry keeps the usual unknown-key line
+    with pytest.raises(ConfigError, match=r"unknown config key config.OPTIMIZER.5"):
+        compose([f"config={path}", "config.OPTIMIZER.5=1"], warn_unused=False)
     with pytest.raises(ConfigError, match=r"TRANSFORMS.-1.mean: entries of config.DATA.TRAIN.TRANSFORMS are named by "
                                           r"their index counted from 0 .*a negative index is not supported"):
         compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.-1.mean=[0.5,0.5,0.5]"], warn_unused=False)

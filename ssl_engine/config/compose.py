@@ -575,7 +575,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             command_line.append(key)
             if _is_option_of_free_form_section(key):
                 key = f"++{key}"  # not in defaults.yaml's {}, so hydra wants '+' (or none when a yaml set it)
-            elif not key.startswith("+") and key.rsplit(".", 1)[-1].isdigit():
+            elif not key.startswith("+") and key.rsplit(".", 1)[-1].isdigit() and value.lstrip().startswith("{"):
                 # an entry of a list given whole: hydra's struct mode would refuse a mapping with options
                 # the old entry lacks ({name: RandomHorizontalFlip, p: 0.3} over ToTensor); it merges
                 # the mapping into the entry
@@ -648,9 +648,11 @@ def _check_list_entry_key(key: str) -> None:
                 f"a negative index is not supported"
             )
         if key.startswith("~") and depth and part.isdigit():
+            what = ("an entry of the list {where} cannot be deleted on its own" if depth == len(parts) - 1 else
+                    "hydra deletes keys of sections, not options inside an entry of the list {where}")
             raise ConfigError(
-                f"{key}: an entry of the list {where} cannot be deleted on its own; give the list without it, "
-                f"{where}=[...] (quoted as one shell word)"
+                f"{key}: {what.format(where=where)}; give the list as you want it, {where}=[...] (quoted as one "
+                f"shell word)"
             )
 
 

@@ -47,7 +47,8 @@ class KillAt(SSLHook):
     def on_update(self, task):
         if event == "rmtree" and task.iteration + 1 == num:  # the folder is deleted by hand mid-run
             import shutil
-            shutil.rmtree(task.checkpoint_folder)
+            while os.path.lexists(task.checkpoint_folder):  # a background write may add or drop a file meanwhile
+                shutil.rmtree(task.checkpoint_folder, ignore_errors=True)
 
 
 if event == "save":  # die in the middle of writing the num-th checkpoint file

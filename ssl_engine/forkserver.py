@@ -7,8 +7,10 @@ the first batch. Torch-free, so that the CLI can start the forkserver before it 
 
 from typing import List
 
-# Modules that import without side effects (a user's module is still imported by each child).
-FORKSERVER_PRELOAD = ("torch", "ssl_engine.data")
+# ssl_engine.forkserver_process keeps the forkserver alive through a preemption signal sent to
+# the process group (it acts only inside a forkserver); the others import without side effects
+# (a user's module is still imported by each child).
+FORKSERVER_PRELOAD = ("ssl_engine.forkserver_process", "torch", "ssl_engine.data")
 
 
 def preload_forkserver() -> List[str]:

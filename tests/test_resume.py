@@ -39,6 +39,10 @@ class KillAt(SSLHook):
             os.kill(os.getpid(), signal.SIGKILL)
         if event == "term" and task.iteration == num:
             os.kill(os.getpid(), signal.SIGTERM)
+        if event == "group_term" and task.iteration == num and task.rank == 0:
+            # the tool's process group, as a scheduler or `timeout` signals a job (the tool runs as a
+            # session leader; a rank is a group of its own in that session)
+            os.killpg(os.getsid(0), signal.SIGTERM)
 
     def on_phase_end(self, task):
         if event == "phase_end" and task.phase_idx == num:
@@ -259,6 +263,33 @@ def test_a_preemption_signal_after_the_last_line_leaves_exit_0(setup, tmp_path, 
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 0, "".join(lines)[-2000:] + rest[-2000:]
     assert (folder / "model_final_checkpoint_phase0.torch").exists()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_preemption_signal_to_the_process_group_checkpoints_with_forkserver_ranks(setup, tmp_path, workers):
+    """SIGTERM to the whole process group (a scheduler, `timeout`) reaches the forkserver that
+    forked the ranks and loader workers too: it must outlive the signal, or the launcher reads no
+    exit status for the ranks, takes that for a failure and kills them before they checkpoint."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    cmd = [sys.executable, str(TOOL), f"config={cfg}", f"config.CHECKPOINT.DIR={folder}",
+           "config.MULTI_PROCESSING_METHOD=forkserver", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+           f"config.DATA.NUM_DATALOADER_WORKERS={workers}", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=-1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=tool_env({"SSL_TEST_KILL": "group_term:1"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 3, err[-3000:]
+    assert "stopped on a preemption signal at iteration" in err + out, err[-3000:]
+    written = [p.name for p in folder.glob("model_*.torch")]  # the ranks agree on the step to stop at
+    assert len(written) == 1 and re.fullmatch(r"model_iteration[23]\.torch", written[0]), (written, out[-2000:])
+    assert not (folder / "train.lock").exists()
+    r = run(cfg, folder, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.MULTI_PROCESSING_METHOD=forkserver")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in r.stdout + r.stderr
 
 
 def test_resume_does_not_replay_data(setup, tmp_path):

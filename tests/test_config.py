@@ -787,6 +787,62 @@ def test_vissl_overlay_of_a_config_group_file(tmp_path, monkeypatch):
         compose([QUICK, "+config/feature_extraction/trunk_only=rn51"])
 
 
+def test_a_config_group_file_wins_over_the_experiments_older_layout(tmp_path, monkeypatch):
+    """VISSL's swav_8node_resnet.yaml says TRUNK_PARAMS.RESNETS.DEPTH: 50 (the older layout);
+    its models/resnet18.yaml, merged over it, says RESNETS.DEPTH: 18 (the 0.1.6 place): the
+    merged file wins, as later files do (and as in VISSL, which reads only the 0.1.6 place).
+    A later older-layout value, from a file or the command line, wins over it in turn."""
+    experiment = write_yaml(tmp_path, "swav_old.yaml", """\
+        # @package _global_
+        config:
+          MODEL:
+            TRUNK:
+              NAME: resnet
+              TRUNK_PARAMS:
+                RESNETS:
+                  DEPTH: 50
+                  WIDTH_MULTIPLIER: 2
+          TENSORBOARD_SETUP:
+            FLUSH_EVERY_N_MIN: 3
+        """)
+    models = tmp_path / "config" / "pretrain" / "swav" / "models"
+    models.mkdir(parents=True)
+    write_yaml(models, "resnet18.yaml", """\
+        # @package _global_
+        config:
+          MODEL:
+            TRUNK:
+              NAME: resnet
+              RESNETS:
+                DEPTH: 18
+          HOOKS:
+            TENSORBOARD_SETUP:
+              FLUSH_EVERY_N_MIN: 9
+        """)
+    (tmp_path / "config" / "older").mkdir()
+    write_yaml(tmp_path / "config" / "older", "older34.yaml", """\
+        # @package _global_
+        config:
+          MODEL:
+            TRUNK:
+              TRUNK_PARAMS:
+                RESNETS:
+                  DEPTH: 34
+        """)
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))
+    cfg = compose([f"config={experiment}", "+config/pretrain/swav/models=resnet18"])
+    assert cfg.MODEL.TRUNK.RESNETS.DEPTH == 18
+    assert cfg.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER == 2  # what the group file does not set stays the experiment's
+    assert cfg.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN == 9
+    cfg = compose([f"config={experiment}", "+config/pretrain/swav/models=resnet18", "+config/older=older34"])
+    assert cfg.MODEL.TRUNK.RESNETS.DEPTH == 34
+    cfg = compose([f"config={experiment}", "+config/pretrain/swav/models=resnet18",
+                   "config.MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH=101", "config.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=5"])
+    assert cfg.MODEL.TRUNK.RESNETS.DEPTH == 101 and cfg.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN == 5
+    cfg = compose([f"config={experiment}", "+config/pretrain/swav/models=resnet18", "config.MODEL.TRUNK.RESNETS.DEPTH=152"])
+    assert cfg.MODEL.TRUNK.RESNETS.DEPTH == 152
+
+
 def test_every_problem_of_a_file_is_named_at_once(tmp_path):
     path = write_yaml(tmp_path, "three_mistakes.yaml", """\
         # @package _global_

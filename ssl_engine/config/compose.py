@@ -24,6 +24,7 @@ from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.validate import (
     flatten_keys,
     is_older_layout_key,
+    keys_set_at_new_places,
     keys_beyond_defaults,
     unknown_key_message,
     validate,
@@ -548,6 +549,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     added_keys: List[str] = []
     command_line: List[str] = []  # the overrides' keys: they win over a yaml file's older layout
     experiment: Optional[str] = None
+    overlay_files: List[Path] = []
     with tempfile.TemporaryDirectory(prefix="ssl_engine_cfg_") as tmpdir:
         extra_dirs: List[Path] = []
         for item in overrides:
@@ -558,6 +560,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if key.startswith("+config/"):
                 option, overlay = _resolve_overlay(key[1:], value)
                 added_keys += declared_added_keys(overlay)
+                overlay_files.append(overlay)
                 hydra_overrides.append(f"{key}={option}")
                 continue
             _check_list_entry_key(key)
@@ -597,7 +600,9 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     _read_legacy_extract_switch(root, engine_on_command_line="engine_name" in command_line)
     if not isinstance(root.get("config"), dict):
         raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
-    return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=command_line)
+    older_on_command_line = [k for k in (_split_override(i)[0].lstrip("+") for i in overrides) if is_older_layout_key(k)]
+    kept = command_line + keys_set_at_new_places([read_yaml_file(f) for f in overlay_files], older_on_command_line)
+    return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=kept)
 
 
 def _explain_override_into_a_value(hydra_overrides: List[str], command_line: List[str], extra_dirs: List[Path],

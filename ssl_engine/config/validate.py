@@ -11,7 +11,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import ConfigError, UserError, closest
@@ -457,6 +457,55 @@ def is_older_layout_key(key: str) -> bool:
     return False
 
 
+def _new_place(key: str) -> Optional[str]:
+    """Where :func:`_upgrade_older_layout` reads ``key`` of the older layout
+    (``config.MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH`` -> ``config.MODEL.TRUNK.RESNETS.DEPTH``);
+    None for a key of the 0.1.6 layout."""
+    for old, new in [*MOVED_KEYS.items(), (TRUNK_PARAMS_PATH, TRUNK_PARAMS_PATH[:-1])]:
+        place = "config." + ".".join(old)
+        if key == place or key.startswith(place + "."):
+            return "config." + ".".join(new) + key[len(place):]
+    return None
+
+
+def _is_upgrade_target(key: str) -> bool:
+    """Whether ``key`` lies where :func:`_upgrade_older_layout` may move a value to."""
+    places = ["config." + ".".join(new) for new in MOVED_KEYS.values()] + ["config." + ".".join(TRUNK_PARAMS_PATH[:-1])]
+    return _new_place(key) is None and any(key.startswith(place + ".") or key == place for place in places)
+
+
+def _leaf_keys(node: Any, prefix: str) -> Iterator[str]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaf_keys(v, f"{prefix}.{k}")
+    else:
+        yield prefix
+
+
+def keys_set_at_new_places(trees: Iterable[Any], later_keys: Iterable[str] = ()) -> List[str]:
+    """The keys that ``+config/<group>=<name>`` files (``trees``, in merge order) set at a place
+    the older layout moves values to (``config.MODEL.TRUNK.RESNETS.DEPTH``): merged after the
+    experiment, they win over its older layout (``TRUNK_PARAMS.RESNETS.DEPTH``), as a later file
+    wins in VISSL. A later file, or a command-line key (``later_keys``), that sets the same
+    option in the older layout wins over them."""
+    kept: Dict[str, None] = {}
+
+    def older(key: str) -> bool:
+        moved = _new_place(key)
+        if moved is not None:
+            for k in [k for k in kept if k == moved or k.startswith(moved + ".") or moved.startswith(k + ".")]:
+                del kept[k]
+        return moved is not None
+
+    for tree in trees:
+        for leaf in _leaf_keys(tree.get("config"), "config") if isinstance(tree, dict) else ():
+            if not older(leaf) and _is_upgrade_target(leaf):
+                kept[leaf] = None
+    for key in later_keys:
+        older(key.lstrip("+~"))
+    return list(kept)
+
+
 def _node(root: Dict[str, Any], path: Iterable[str]) -> Any:
     node: Any = root
     for key in path:
@@ -527,8 +576,9 @@ def validate(
 ) -> AttrDict:
     """Check a composed root dict against the defaults; return the config node as an AttrDict.
 
-    ``command_line`` lists the keys given as overrides (``config.HOOKS.PERF_STATS.X``): their
-    values win over what a yaml file's older layout moves onto the same place.
+    ``command_line`` lists the keys given as overrides (``config.HOOKS.PERF_STATS.X``), and
+    those a ``+config/<group>`` file sets at their 0.1.6 place (:func:`keys_set_at_new_places`):
+    their values win over what the experiment file's older layout moves onto the same place.
     """
     given = _values_at(root, command_line)
     _upgrade_older_layout(root)

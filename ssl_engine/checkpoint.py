@@ -905,6 +905,22 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
         else:
             new_state[k] = v
             loaded.append(k)
+    # every trunk weight of the file that the model names has another shape (BN's counters aside): a
+    # wider or deeper model's file, whose few loadable tensors (a head's bias) would hide it
+    counted = [k for k in loaded if not k.endswith("num_batches_tracked")]
+    for part in ("trunk.", ""):
+        differ = [m for m in shape_mismatch if m.startswith(part)]
+        if differ and not [k for k in counted if k.startswith(part)]:
+            break
+    else:
+        differ = []
+    if differ:
+        raise UserError(
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: its weights are named as the model's, but none has the "
+            f"model's shape ({len(differ)} differ, e.g. {differ[0]} in the file vs the model): the "
+            f"file is for another architecture or width; set config.MODEL.TRUNK (and HEAD) to the model it was "
+            f"trained with"
+        )
     if not loaded:
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: none of its {len(renamed)} weights match the model "

@@ -231,6 +231,16 @@ def test_init_errors_name_the_file(tmp_path):
     torch.save({"foo": torch.zeros(2)}, str(tmp_path / "other.torch"))
     with pytest.raises(UserError, match="none of its 1 weights match the model"):
         ck.init_model_from_weights(model, weights_cfg(tmp_path / "other.torch"))
+    # a ResNet-18 of twice the width: every name matches, no shape does (BN's counters aside)
+    from ssl_engine.models import build_model
+
+    wide = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18", "config.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER=2",
+                    "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[1024,10]}]]"])
+    torch.save(build_model(wide.MODEL, wide.OPTIMIZER).state_dict(), str(tmp_path / "wide.torch"))
+    with pytest.raises(UserError, match=r"named as the model's, but none has the model's shape \(\d+ differ, e\.g\. "
+                                        r"trunk\._feature_blocks\.conv1\.weight \(128, 3, 7, 7\) vs \(64, 3, 7, 7\).*"
+                                        r"another architecture or width"):
+        ck.init_model_from_weights(model, weights_cfg(tmp_path / "wide.torch", STATE_DICT_KEY_NAME=""))
     torch.save({"classy_state_dict": {"meta": 3}}, str(tmp_path / "empty.torch"))
     with pytest.raises(CheckpointError, match="holds no weights"):
         ck.init_model_from_weights(model, weights_cfg(tmp_path / "empty.torch"))

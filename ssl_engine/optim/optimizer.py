@@ -151,8 +151,21 @@ def get_param_groups(
             wd = (float(head_weight_decay) if is_head else float(weight_decay)) if regularized else 0.0
             groups.append({"params": params, "weight_decay": wd, "name": names[(is_head, regularized)]})
     if not groups:
-        raise UserError("the model has no trainable parameters for config.OPTIMIZER to optimize")
+        raise UserError(f"the model has no trainable parameters for config.OPTIMIZER to optimize: {_why_frozen(model)}")
     return groups
+
+
+def _why_frozen(model: nn.Module) -> str:
+    """What froze every parameter of ``model``, and what to do about it (for the error above)."""
+    fes = "config.MODEL.FEATURE_EVAL_SETTINGS"
+    evaluate = ("a config for evaluating features without training (VISSL's kNN benchmark) runs with "
+                "--engine=extract_features or tools/nearest_neighbor_test.py")
+    if getattr(model, "heads_frozen", False):
+        return f"{fes}.FREEZE_TRUNK_AND_HEAD=true freezes the trunk and the heads; {evaluate}"
+    if getattr(model, "trunk_frozen", False) and len(getattr(model, "heads", ())) == 0:
+        return (f"{fes}.FREEZE_TRUNK_ONLY=true freezes the trunk and config.MODEL.HEAD.PARAMS gives no head to train; "
+                f"add a head, or: {evaluate}")
+    return "config.MODEL.NON_TRAINABLE_PARAMS (or a frozen trunk) leaves nothing to train"
 
 
 class SSLOptimizer:

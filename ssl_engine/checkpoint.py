@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ssl_engine.errors import CheckpointError, UserError, folder_gone, is_url, url_error
+from ssl_engine.errors import CheckpointError, UserError, does_not_exist, folder_gone, is_url, url_error
 from ssl_engine.resume_state import state_problem
 
 log = logging.getLogger(__name__)
@@ -544,7 +544,7 @@ def named_file(value: Any, key: str) -> Path:
         hint = f"e.g. {found[0]}" if found else "the folder holds no checkpoint"
         raise CheckpointError(f"{key}: {path} is a folder; name a checkpoint file ({hint})")
     if not path.is_file():
-        raise CheckpointError(f"{key}: {path} does not exist")
+        raise CheckpointError(does_not_exist(key, value))
     return path
 
 

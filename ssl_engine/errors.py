@@ -49,6 +49,16 @@ def url_error(key: str, value: str, output: bool = False) -> ConfigError:
     )
 
 
+def does_not_exist(key: str, value: object) -> str:
+    """``<key>: '<value>' does not exist``, saying so when the value is a placeholder that a
+    shipped config leaves for the user to fill in (VISSL's ``<path to train folder>``,
+    ``specify the model weights``)."""
+    text = str(value)
+    placeholder = re.search(r"<[^<>]*>", text) is not None or (" " in text.strip() and "/" not in text)
+    hint = f" (a placeholder of the config file: set {key.split('[')[0]} to your path)" if placeholder else ""
+    return f"{key}: {text!r} does not exist{hint}"
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; training stops without checkpointing that state."""
 

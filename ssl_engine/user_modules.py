@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from ssl_engine.errors import UserError
+from ssl_engine.errors import UserError, does_not_exist
 
 
 def import_user_modules(entries: Iterable[str]) -> None:
@@ -19,7 +19,7 @@ def import_user_modules(entries: Iterable[str]) -> None:
             if entry.endswith(".py") or "/" in entry:
                 path = Path(entry).expanduser().resolve()
                 if not path.is_file():
-                    raise UserError(f"config.USER_MODULES: {entry} does not exist")
+                    raise UserError(does_not_exist("config.USER_MODULES", entry))
                 if str(path.parent) not in sys.path:
                     sys.path.insert(0, str(path.parent))
                 importlib.import_module(path.stem)

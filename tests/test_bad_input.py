@@ -170,8 +170,8 @@ ROWS: List[Row] = [
     R("both-splits-missing-paths", ("config.TEST_MODEL=true", "config.DATA.TRAIN.DATA_SOURCES=[disk_folder]",
                                     "config.DATA.TRAIN.DATA_PATHS=[{fx}/no_train]", "config.DATA.TEST.DATA_SOURCES=[disk_folder]",
                                     "config.DATA.TEST.DATA_PATHS=[{fx}/no_test]"),
-      ("config.DATA.TRAIN.DATA_PATHS[0]: {fx}/no_train does not exist; and config.DATA.TEST.DATA_PATHS[0]: "
-       "{fx}/no_test does not exist",), tool=False),
+      ("config.DATA.TRAIN.DATA_PATHS[0]: '{fx}/no_train' does not exist; and config.DATA.TEST.DATA_PATHS[0]: "
+       "'{fx}/no_test' does not exist",), tool=False),
     R("both-splits-empty-folders", ("config.TEST_MODEL=true", "config.DATA.TRAIN.DATA_SOURCES=[disk_folder]",
                                     "config.DATA.TRAIN.DATA_PATHS=[{fx}/empty]", "config.DATA.TEST.DATA_SOURCES=[disk_folder]",
                                     "config.DATA.TEST.DATA_PATHS=[{fx}/empty]"),
@@ -687,3 +687,18 @@ def test_the_best_metric_check_reads_the_phases_that_run():
     check_metric_before_launch(cfg, build_meters(cfg.METERS), ["TEST"])
     with pytest.raises(UserError, match="this run has no test phase"):
         check_metric_before_launch(cfg, build_meters(cfg.METERS), ["TRAIN"])
+
+
+@pytest.mark.parametrize("key, value, extra", [
+    ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE", "specify the model weights", []),
+    ("config.DATA.TRAIN.DATA_PATHS", "['<path to train folder>']",
+     ["config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"]),
+])
+def test_a_placeholder_a_vissl_config_leaves_is_named_as_one(tmp_path, key, value, extra, capsys):
+    """VISSL's shipped configs leave values for the user to fill in: the line quotes the value
+    and says that it is the file's placeholder."""
+    capsys.readouterr()
+    code = main_in_process(BASE + extra + [f"{key}={value}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"'{value.strip('[]').strip(chr(39))}' does not exist (a placeholder of the config file: set {key} to your path)" in err, err

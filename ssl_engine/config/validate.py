@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import ConfigError, UserError, closest
+from ssl_engine.errors import ConfigError, UserError, closest, does_not_exist
 
 log = logging.getLogger(__name__)
 
@@ -773,7 +773,7 @@ def check_data_paths(cfg: AttrDict) -> None:
                 problems.append(f"config.DATA.{split}.DATA_PATHS[{i}]={show_value(p)} is not a usable path ({e})")
                 continue
             if not found:
-                problems.append(f"config.DATA.{split}.DATA_PATHS[{i}]: {p} does not exist")
+                problems.append(does_not_exist(f"config.DATA.{split}.DATA_PATHS[{i}]", p))
     if problems:
         raise ConfigError("; and ".join(problems))
 

@@ -197,7 +197,7 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
     ``tool_process``: this process is the command's own, started to run it and end (the tools'
     ``__main__``), not a caller that goes on afterwards: composing may then overlap importing
     torch, and a config mistake may end the process directly (see prepare_config)."""
-    code = RUN_FAILED_EXIT_CODE  # an exception out of the command (with --debug) ends the process with 1
+    code = RUN_FAILED_EXIT_CODE  # an exception out of the command (a bug) ends the process with 1
     try:
         code = _run_command(argv, body, tool_process)
         return code
@@ -225,22 +225,18 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
             cfg = prepare_config(overrides, tool_process=tool_process and not debug)
         return body(cfg, node_id)
     except UserError as e:
-        if debug:
-            raise
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        _report(e, debug)
         return USER_ERROR_EXIT_CODE
     except NonFiniteLossError as e:
-        if debug:
-            raise
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        _report(e, debug)
         return RUN_FAILED_EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     except Exception as e:
         file_error = file_system_error(e)
-        if file_error is not None and not debug:
-            print(f"error: {one_line(str(file_error))}", file=sys.stderr)
+        if file_error is not None:
+            _report(file_error, debug)
             return USER_ERROR_EXIT_CODE
         if debug or not _raised_while_interrupted(e):
             raise
@@ -248,6 +244,16 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
         # pool's lock released twice): the run was interrupted, not broken
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+
+
+def _report(error: BaseException, debug: bool) -> None:
+    """The error's one line on stderr; with --debug the traceback of the exception being
+    handled first (the exit code stays the one the error has without it)."""
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+    print(f"error: {one_line(str(error))}", file=sys.stderr)
 
 
 def _exit_at_once_on_ctrl_c(code: int) -> None:

@@ -830,7 +830,7 @@ def is_resuming(cfg: AttrDict) -> bool:
 
 def check_resume_file(cfg: AttrDict) -> None:
     """CHECKPOINT.RESUME_FROM names an ssl_engine training checkpoint that loads without code."""
-    from ssl_engine.checkpoint import is_engine_checkpoint, peek_checkpoint, resume_from_file
+    from ssl_engine.checkpoint import check_intact, is_engine_checkpoint, peek_checkpoint, resume_from_file
     from ssl_engine.errors import CheckpointError
     from ssl_engine.resume_state import state_problem
 
@@ -838,6 +838,7 @@ def check_resume_file(cfg: AttrDict) -> None:
         return
     path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
     data = peek_checkpoint(path)
+    check_intact(path, "config.CHECKPOINT.RESUME_FROM")  # before any folder or log file is made
     if cfg.engine_name != "train":
         return
     if not is_engine_checkpoint(data):

@@ -13,6 +13,7 @@ import os
 import shutil
 import string
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Tuple
@@ -24,7 +25,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_tool
+from conftest import TOOL, run_tool, tool_env
 from tv_formats import write_dataset
 from ssl_engine import checkpoint as ck
 from ssl_engine.errors import ConfigError, UserError
@@ -704,3 +705,26 @@ def test_a_placeholder_a_vissl_config_leaves_is_named_as_one(tmp_path, key, valu
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"'{value.strip('[]').strip(chr(39))}' does not exist (a placeholder of the config file: set {key} to your path)" in err, err
+
+
+def test_user_modules_are_found_from_the_folder_the_tool_runs_in(tmp_path):
+    """A dotted module or a relative file of USER_MODULES is looked for from the current folder (the
+    tool's own folder is first on sys.path, not the one it runs in), in the ranks too."""
+    (tmp_path / "sub").mkdir()
+    for name, hook in (("my_parts.py", "DottedMarker"), ("sub/my_file_parts.py", "FileMarker")):
+        (tmp_path / name).write_text(
+            "import os\nfrom ssl_engine.hooks.base import SSLHook\nfrom ssl_engine.registry import HOOKS\n\n\n"
+            f"@HOOKS.register({hook!r})\nclass Marker(SSLHook):\n    def on_end(self, task):\n"
+            f"        open(os.path.join(task.checkpoint_folder, {hook!r}), 'w').close()\n")
+    folder = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), *BASE, f"config.CHECKPOINT.DIR={folder}", "config.OPTIMIZER.num_epochs=1",
+         "config.USER_MODULES=[my_parts,sub/my_file_parts.py]", "config.HOOKS.CUSTOM=[{name:DottedMarker},{name:FileMarker}]",
+         "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"],
+        cwd=str(tmp_path), env=tool_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (folder / "DottedMarker").exists() and (folder / "FileMarker").exists()
+    proc = subprocess.run([sys.executable, str(TOOL), *BASE, f"config.CHECKPOINT.DIR={tmp_path / 'other'}",
+                           "config.USER_MODULES=[not_here]"], cwd=str(tmp_path), env=tool_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "config.USER_MODULES: cannot import not_here: No module named 'not_here'" in proc.stderr

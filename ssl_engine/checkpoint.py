@@ -576,14 +576,20 @@ def holds_checkpoints(folder: Path) -> bool:
     return bool(list_checkpoints(folder)) or os.path.lexists(folder / POINTER) or (folder / "model_best.torch").is_file()
 
 
+# names the previous_run.N folder while a set-aside is under way: a run killed in the middle of
+# the moves leaves it, and the next run finishes the moves before it looks for a checkpoint
+SET_ASIDE_MARKER = ".previous_run_move"
+
+
 def set_aside_previous_run(folder: Path) -> Optional[Path]:
     """Move the checkpoints and run files of an earlier run in ``folder`` into a new subfolder
     ``previous_run.N`` (renames: same bytes, same times; nothing is deleted), so that a new run
     started there from scratch can never resume from them after a crash. None when there was
     nothing to move.
 
-    The pointer goes first and the final checkpoints last: a crash in between leaves a folder
-    that still reads as the earlier run (finished, or resumable from its newest remaining file).
+    The moves are one rename per file: a kill among them would leave part of the earlier run in
+    the folder, where the next run would resume from it. So the target is named in
+    SET_ASIDE_MARKER first, and :func:`finish_set_aside` completes an interrupted set-aside.
     """
     folder = Path(folder)
     if not holds_checkpoints(folder):
@@ -593,6 +599,42 @@ def set_aside_previous_run(folder: Path) -> Optional[Path]:
         n += 1
     target = folder / f"{PREVIOUS_RUN_PREFIX}{n}"
     target.mkdir()
+    atomic_write_text(folder / SET_ASIDE_MARKER, target.name + "\n")
+    moved = _move_run_files(folder, target)
+    log.warning(
+        "%s holds the checkpoints of an earlier run and this run starts from scratch: moved %d of its files into %s "
+        "(nothing is deleted; remove that folder when you no longer need it)", folder, moved, target,
+    )
+    return target
+
+
+def finish_set_aside(folder: Path) -> Optional[Path]:
+    """Complete a set-aside that a killed run left half done (see :func:`set_aside_previous_run`):
+    the earlier run's files still in ``folder`` join the others in its previous_run.N. Call it
+    while holding the folder's lock, before looking for a checkpoint. The target, or None."""
+    folder = Path(folder)
+    marker = folder / SET_ASIDE_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        name = marker.read_text(errors="replace").strip()
+    except OSError:
+        name = ""
+    if not re.fullmatch(re.escape(PREVIOUS_RUN_PREFIX) + r"[0-9]+", name):
+        log.warning("ignoring %s: it does not name a %sN folder (%r)", marker, PREVIOUS_RUN_PREFIX, name[:80])
+        marker.unlink()
+        fsync_dir(folder)
+        return None
+    target = folder / name
+    target.mkdir(exist_ok=True)
+    moved = _move_run_files(folder, target)
+    log.warning("a run that was killed while it moved an earlier run's files into %s left %d of them here: moved them "
+                "there too, so that no run resumes from them", target, moved)
+    return target
+
+
+def _move_run_files(folder: Path, target: Path) -> int:
+    """Move the run's files of ``folder`` into ``target``, then drop the set-aside marker; the count."""
     checkpoints = sorted(list_checkpoints(folder), key=lambda p: (p.name.startswith("model_final_"), p.stat().st_mtime_ns, p.name))
     moving = [folder / POINTER] + [folder / name for name in _RUN_FILES] + checkpoints
     moved = 0
@@ -601,12 +643,11 @@ def set_aside_previous_run(folder: Path) -> Optional[Path]:
             os.replace(p, target / p.name)  # the pointer is a relative link: it still names its file there
             moved += 1
     fsync_dir(target)
+    marker = folder / SET_ASIDE_MARKER
+    if os.path.lexists(marker):
+        marker.unlink()
     fsync_dir(folder)
-    log.warning(
-        "%s holds the checkpoints of an earlier run and this run starts from scratch: moved %d of its files into %s "
-        "(nothing is deleted; remove that folder when you no longer need it)", folder, moved, target,
-    )
-    return target
+    return moved
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:

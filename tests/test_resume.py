@@ -72,6 +72,19 @@ if event == "save":  # die in the middle of writing the num-th checkpoint file
     ck.atomic_write = atomic_write
 
 
+if event == "set_aside":  # die right after the num-th file moved into previous_run.N
+    _replace, _moves = os.replace, [0]
+
+    def replace(src, dst, *args, **kwargs):
+        _replace(src, dst, *args, **kwargs)
+        if os.path.basename(os.path.dirname(str(dst))).startswith("previous_run."):
+            _moves[0] += 1
+            if _moves[0] == num:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = replace
+
+
 @DATA_SOURCES.register("counted_synthetic")
 class CountedSynthetic(SyntheticSource):
     """The synthetic source, logging every index it reads to $SSL_TEST_READS."""
@@ -290,6 +303,29 @@ def test_a_preemption_signal_to_the_process_group_checkpoints_with_forkserver_ra
     r = run(cfg, folder, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.MULTI_PROCESSING_METHOD=forkserver")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout + r.stderr
+
+
+def test_a_run_killed_while_it_sets_an_earlier_run_aside_never_resumes_from_that_run(setup, reference, tmp_path):
+    """A run from scratch (AUTO_RESUME=false) in a used folder moves the earlier run's files into
+    previous_run.1, one rename each; killed among them it left the earlier run's checkpoints in
+    the folder, and the rerun resumed from them. The rerun finishes the move and starts afresh."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    r = run(cfg, folder, "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:5")
+    assert r.returncode == -signal.SIGKILL
+    earlier = sorted(p.name for p in folder.glob("model_*.torch"))
+    assert earlier == ["model_iteration2.torch", "model_iteration4.torch"], earlier
+    r = run(cfg, folder, "config.CHECKPOINT.AUTO_RESUME=false", kill="set_aside:2")  # the pointer and metrics.json moved
+    assert r.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in folder.glob("model_*.torch")) == earlier  # what the kill left behind
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = r.stdout + r.stderr
+    assert "resumed from" not in log, log[-3000:]
+    assert re.search(r"previous_run\.1 left \d+ of them here: moved them there too", log), log[-3000:]
+    assert sorted(p.name for p in (folder / "previous_run.1").glob("model_*.torch")) == earlier
+    assert not (folder / "previous_run.2").exists()
+    assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
 
 def test_resume_does_not_replay_data(setup, tmp_path):

@@ -14,6 +14,7 @@ from ssl_engine.checkpoint import (
     load_checkpoint,
     newest_good_checkpoint,
     resume_from_file,
+    finish_set_aside,
     set_aside_previous_run,
 )
 from ssl_engine.config.attr_dict import AttrDict
@@ -120,6 +121,9 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
     # unless CHECKPOINT.OVERWRITE_EXISTING; that key only lifts this check. The run then resumes
     # from the folder's newest checkpoint under AUTO_RESUME, or starts from scratch without it
     # (the earlier run's files moved aside, see _Trainer). Nothing is ever deleted.
+    if du.is_primary():
+        finish_set_aside(folder)  # a run killed while moving an earlier run's files aside left part of them
+    du.barrier()
     finished = final_checkpoint(folder)
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
         _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))

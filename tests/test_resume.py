@@ -328,6 +328,23 @@ def test_a_run_killed_while_it_sets_an_earlier_run_aside_never_resumes_from_that
     assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
 
+def test_a_preempted_run_without_auto_resume_says_how_to_resume_it(setup, tmp_path):
+    """With AUTO_RESUME=false the same command starts over (moving the preempted run aside): the
+    exit-3 line names the RESUME_FROM that goes on instead of promising a resume."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    r = run(cfg, folder, "config.CHECKPOINT.AUTO_RESUME=false", kill="term:3")
+    assert r.returncode == 3, r.stderr[-2000:]
+    m = re.search(r"stopped on a preemption signal at iteration (\d+); to resume, rerun with "
+                  r"config\.CHECKPOINT\.RESUME_FROM=(\S+) \(the same command would not: "
+                  r"config\.CHECKPOINT\.AUTO_RESUME=false\)", r.stdout + r.stderr)
+    assert m, (r.stdout + r.stderr)[-2000:]
+    assert m.group(2) == str(folder / f"model_iteration{m.group(1)}.torch") and Path(m.group(2)).is_file()
+    r = run(cfg, folder, "config.CHECKPOINT.AUTO_RESUME=false", f"config.CHECKPOINT.RESUME_FROM={m.group(2)}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed from {m.group(2)}" in r.stdout + r.stderr
+
+
 def test_resume_does_not_replay_data(setup, tmp_path):
     root, cfg = setup
     folder, reads = tmp_path / "run", tmp_path / "reads.txt"

@@ -83,6 +83,18 @@ def write_checkpoint(task: Any, name: str, kind: str, wait: Optional[bool] = Non
     du.barrier()
 
 
+def how_to_resume(task: Any) -> str:
+    """What to run to go on after the preemption checkpoint of ``task``'s current iteration: the
+    same command resumes it only under auto-resume without RESUME_FROM (which would start from its
+    own file again, and AUTO_RESUME=false from scratch)."""
+    ck = task.config.CHECKPOINT
+    if ck.AUTO_RESUME and not ck.RESUME_FROM:
+        return "rerun the same command to resume"
+    path = Path(task.checkpoint_folder) / iteration_checkpoint_name(task.iteration)
+    why = "config.CHECKPOINT.RESUME_FROM names another file" if ck.RESUME_FROM else "config.CHECKPOINT.AUTO_RESUME=false"
+    return f"to resume, rerun with config.CHECKPOINT.RESUME_FROM={path} (the same command would not: {why})"
+
+
 class PreemptionVote:
     """Whether any rank was asked to stop, agreed on by all ranks without a blocking collective.
 
@@ -130,7 +142,7 @@ class CheckpointHook(SSLHook):
         if self._vote.agreed():  # written before the process exits (code 3)
             write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration", wait=True)
             raise preemption.Preempted(
-                f"stopped on a preemption signal at iteration {task.iteration}; rerun the same command to resume"
+                f"stopped on a preemption signal at iteration {task.iteration}; {how_to_resume(task)}"
             )
         if task.train and self.iteration_frequency > 0 and task.iteration % self.iteration_frequency == 0:
             write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration")

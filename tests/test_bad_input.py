@@ -728,3 +728,14 @@ def test_user_modules_are_found_from_the_folder_the_tool_runs_in(tmp_path):
                            "config.USER_MODULES=[not_here]"], cwd=str(tmp_path), env=tool_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "config.USER_MODULES: cannot import not_here: No module named 'not_here'" in proc.stderr
+
+
+def test_a_folder_in_place_of_the_checkpoint_pointer_is_refused_before_launch(tmp_path, capsys):
+    """Found only at the first checkpoint, it cost the training up to there on every rerun."""
+    (tmp_path / "run" / "checkpoint.torch").mkdir(parents=True)
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{tmp_path / 'run' / 'checkpoint.torch'} is a folder, not the run's checkpoint pointer" in err, err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint.torch"]

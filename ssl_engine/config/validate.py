@@ -828,6 +828,17 @@ def is_resuming(cfg: AttrDict) -> bool:
     return bool(cfg.CHECKPOINT.AUTO_RESUME) and bool(list_checkpoints(Path(str(cfg.CHECKPOINT.DIR)).expanduser()))
 
 
+def check_pointer_is_not_a_folder(folder: Any) -> None:
+    """A folder where the checkpoint pointer goes (``checkpoint.torch``) would stop the run at its
+    first checkpoint, after the training up to there; say so before any process starts."""
+    from ssl_engine.checkpoint import POINTER
+
+    pointer = Path(str(folder)).expanduser() / POINTER
+    if pointer.is_dir() and not pointer.is_symlink():
+        raise ConfigError(f"config.CHECKPOINT.DIR {folder}: {pointer} is a folder, not the run's checkpoint pointer "
+                          f"(a file the run replaces at each checkpoint); move or remove it")
+
+
 def check_resume_file(cfg: AttrDict) -> None:
     """CHECKPOINT.RESUME_FROM names an ssl_engine training checkpoint that loads without code."""
     from ssl_engine.checkpoint import check_intact, is_engine_checkpoint, peek_checkpoint, resume_from_file

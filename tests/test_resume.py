@@ -440,6 +440,13 @@ def test_resuming_from_a_finished_checkpoint_says_nothing_is_left(setup, referen
     r = run(cfg, tmp_path / "fewer", f"config.CHECKPOINT.RESUME_FROM={final}", "config.OPTIMIZER.num_epochs=1")
     assert r.returncode == 2 and "after 3 training epochs of its run, and this config trains " \
         "config.OPTIMIZER.num_epochs=1" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    # a checkpoint written inside epoch 2 (iteration 8 of 6 per epoch) goes on under num_epochs=2: the
+    # line says so (it said "after 2 training epochs ... above 2")
+    inside = reference[0] / "model_iteration8.torch"
+    r = run(cfg, tmp_path / "inside", f"config.CHECKPOINT.RESUME_FROM={inside}", "config.OPTIMIZER.num_epochs=1")
+    assert r.returncode == 2 and (f"error: {inside} was written during training epoch 2 of its run, and this config "
+                                  "trains config.OPTIMIZER.num_epochs=1: nothing is left to run; raise "
+                                  "config.OPTIMIZER.num_epochs to 2 or more") in r.stderr, r.stderr[-2000:]
     # with more epochs it trains on from there
     r = run(cfg, tmp_path / "more", f"config.CHECKPOINT.RESUME_FROM={final}", "config.DATA.NUM_DATALOADER_WORKERS=0",
             "config.OPTIMIZER.num_epochs=4")

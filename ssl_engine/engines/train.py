@@ -82,11 +82,16 @@ class _Trainer(SelfSupervisionTrainer):
             # a finished run is found by its final checkpoint before this; here the checkpoint
             # came from elsewhere (RESUME_FROM, a pointer) or the config now has fewer phases
             epochs = int(task.train_phase_idx) + 1
+            point = getattr(task, "resume_point", None)  # (train_phase_idx, train, phase_complete) of the file
+            if point is not None and point[1] and not point[2]:  # written inside a training epoch
+                where, enough = f"during training epoch {point[0] + 1}", f"to {point[0] + 1} or more"
+            else:
+                where, enough = f"after {epochs} training epoch{'s' if epochs != 1 else ''}", f"above {epochs}"
             raise UserError(
-                f"{self.checkpoint_path} was written after {epochs} training epoch{'s' if epochs != 1 else ''} of its "
-                f"run, and this config trains config.OPTIMIZER.num_epochs={self.cfg.OPTIMIZER.num_epochs}: nothing is "
-                f"left to run; raise config.OPTIMIZER.num_epochs above {epochs} to train on from it, or start a new run "
-                f"from its weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+                f"{self.checkpoint_path} was written {where} of its run, and this config trains "
+                f"config.OPTIMIZER.num_epochs={self.cfg.OPTIMIZER.num_epochs}: nothing is left to run; raise "
+                f"config.OPTIMIZER.num_epochs {enough} to train on from it, or start a new run from its weights with "
+                f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
             )
         if du.is_primary():
             if not self.checkpoint_path:

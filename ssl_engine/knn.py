@@ -176,7 +176,7 @@ def load_train_and_test(
     """The train and test features of ``layer`` in ``folder`` (see ssl_engine.features.load_features),
     the test targets numbered as the train split numbers its classes (:func:`align_test_labels`;
     what was done is logged)."""
-    from ssl_engine.features import load_features, split_classes, split_label_type
+    from ssl_engine.features import extraction_status, load_features, split_classes, split_label_type
 
     for split in (train_split, test_split):
         label_type = split_label_type(folder, split)
@@ -188,6 +188,11 @@ def load_train_and_test(
             )
     train = load_features(folder, train_split, layer)
     test = load_features(folder, test_split, layer)
+    weights = [(extraction_status(folder, split) or {}).get("weights") for split in (train_split, test_split)]
+    if all(weights) and weights[0] != weights[1]:
+        log.warning("kNN %s: the %s and %s features in %s come from different weights (%s; %s): their neighbours "
+                    "mean nothing; extract both splits with the same weights (one command with both in "
+                    "EXTRACT_FEATURES.SPLITS)", layer, train_split, test_split, folder, weights[0], weights[1])
     targets, note = align_test_labels(split_classes(folder, train_split), split_classes(folder, test_split),
                                       test["targets"])
     if note:

@@ -111,6 +111,7 @@ class SelfSupervisionTrainer:
 
         from ssl_engine.engines.extract_features import (
             build_extraction_datasets, extract_split, extraction_splits, load_weights, log_summary, output_dir,
+            weights_identity,
         )
 
         task = self.task
@@ -119,6 +120,7 @@ class SelfSupervisionTrainer:
             torch.manual_seed(self.cfg.SEED_VALUE)
             task.prepare(local_rank=self.local_rank, **model_only(task))  # extraction builds its own loaders
         source = load_weights(task, self.checkpoint_path)
+        task.extracted_weights = weights_identity(source, self.cfg.SEED_VALUE)  # in each split's status file
         task.base_model.eval()
         folder = output_dir(self.cfg)
         if du.is_primary():

@@ -374,6 +374,32 @@ def test_knn_tool_extracts_first_then_reports_and_reads_a_features_path(pretrain
     assert "(k=101 (TOPK=1000 capped at the train size), sigma=0.1, dot product; " in capsys.readouterr().out
 
 
+def test_knn_warns_when_the_splits_come_from_different_weights(pretrained: Path, one_rank, tmp_path: Path,
+                                                               caplog) -> None:
+    """Each split's status file records the weights it was extracted with: a split extracted again
+    from other weights (here a random init) no longer silently pairs with the other's features."""
+    import json
+    import logging
+    import shutil
+
+    from ssl_engine.knn import load_train_and_test
+
+    folder = tmp_path / "features"
+    shutil.copytree(one_rank["folder"], folder)
+    recorded = json.loads((folder / "extraction_train.json").read_text())["weights"]
+    assert recorded.startswith(str((pretrained / "checkpoint.torch").resolve())) and " bytes, modified " in recorded
+    with caplog.at_level(logging.WARNING):
+        load_train_and_test(folder, "res5avg")
+    assert "different weights" not in caplog.text
+    (tmp_path / "untrained").mkdir()
+    tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={tmp_path / 'untrained'}",
+          f"config.EXTRACT_FEATURES.OUTPUT_DIR={folder}", "config.EXTRACT_FEATURES.SPLITS=[TEST]", *DIGITS_SMALL])
+    assert json.loads((folder / "extraction_test.json").read_text())["weights"].startswith("random init (SEED_VALUE=")
+    with caplog.at_level(logging.WARNING):
+        load_train_and_test(folder, "res5avg")
+    assert "the train and test features in" in caplog.text and "come from different weights" in caplog.text
+
+
 def test_knn_tool_reports_a_bad_features_path_in_one_line(tmp_path: Path, capsys) -> None:
     spec = importlib.util.spec_from_file_location("nearest_neighbor_test", NN_TOOL)
     mod = importlib.util.module_from_spec(spec)

@@ -144,6 +144,20 @@ def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:
     return "random init"
 
 
+def weights_identity(source: str, seed: int) -> str:
+    """Which weights an extraction ran, as its status files record them: the file (resolved, with
+    its size and modification time, so that a file trained on under the same name differs) or the
+    seeded random init. The kNN test compares the two splits' (see ssl_engine.knn)."""
+    if source == "random init":
+        return f"random init (SEED_VALUE={seed})"
+    path = Path(source).expanduser()
+    try:
+        st = path.stat()
+        return f"{path.resolve()} ({st.st_size} bytes, modified {st.st_mtime_ns})"
+    except OSError:
+        return str(path)
+
+
 def _targets(batch: Dict[str, Any], n: int) -> np.ndarray:
     labels = batch.get("label") or []
     if not labels:
@@ -234,6 +248,8 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
         label_type = str(cfg.DATA[split].get("LABEL_TYPE", "standard"))
         classes = label_class_names(cfg, split) if label_type == "standard" else None
         extra: Dict[str, Any] = {"classes": classes} if classes is not None else {}
+        if getattr(task, "extracted_weights", None):
+            extra["weights"] = task.extracted_weights
         if left_out:
             extra["unreadable"] = left_out
         write_extraction_status(folder, split, "complete", samples=int(sum(counts)), layers=layers,

@@ -654,7 +654,7 @@ def test_a_checkpoint_without_phase_data_resumes_as_before(setup, reference, tmp
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     # no warning but the one for the metrics lines this bare folder lacks (it holds the checkpoint alone)
-    warnings = [w for w in re.findall(r"^(?:\[rank \d+\] )?W \d.*$", out, re.M) if "has no line for train phase" not in w]
+    warnings = [w for w in re.findall(r"^(?:\[rank \d+\] )?W \d.*$", out, re.M) if "has no line for " not in w]
     assert "resumed from" in out and not warnings, out[-3000:]
     assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
@@ -866,16 +866,28 @@ def test_a_metrics_file_emptied_before_a_resume_says_which_lines_are_lost(setup,
     (folder / "metrics.json").write_text("")
     r = run(cfg, folder)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (f"{folder / 'metrics.json'} has no line for train phase 0, which the checkpoint covers (the file was "
-            f"emptied, replaced or deleted since)") in r.stdout + r.stderr
+    assert (f"{folder / 'metrics.json'} has no line for train phase 0, the test phase after train phase 0, which "
+            f"the checkpoint covers (the file was emptied, replaced, cut or deleted since)") in r.stdout + r.stderr
     phases = [json.loads(x)["phase_idx"] for x in (folder / "metrics.json").read_text().splitlines()]
     assert phases == [2, 3, 4, 5]
+    # its last line cut (a copy that stopped short, an edit): the test phase that line held is named
+    cut = tmp_path / "cut"
+    shutil.copytree(reference[0], cut, symlinks=True)
+    for p in cut.glob("model_*.torch"):
+        if p.name != "model_iteration10.torch":
+            p.unlink()
+    (cut / "checkpoint.torch").unlink()
+    lines = (cut / "metrics.json").read_text().splitlines(keepends=True)[:2]  # phases 0, 1: what iteration 10 covers
+    (cut / "metrics.json").write_text("".join(lines)[:-30])
+    r = run(cfg, cut)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{cut / 'metrics.json'} has no line for the test phase after train phase 0, which" in r.stdout + r.stderr
     # a resume from a folder with every line: no such warning
     whole = tmp_path / "whole"
     shutil.copytree(reference[0], whole, symlinks=True)
     r = run(cfg, whole, "config.CHECKPOINT.OVERWRITE_EXISTING=true", "config.OPTIMIZER.num_epochs=4")
     assert r.returncode == 0 and "resumed from" in r.stdout + r.stderr, r.stderr[-3000:]
-    assert "has no line for train phase" not in r.stdout + r.stderr
+    assert "has no line for" not in r.stdout + r.stderr
 
 
 def test_a_vissl_iteration_checkpoint_at_the_last_batch_of_an_epoch_is_that_epochs_end():

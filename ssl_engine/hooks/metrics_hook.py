@@ -150,14 +150,18 @@ class MetricsHook(SSLHook):
         point = getattr(task, "resume_point", None)
         if point is None or getattr(task, "resumed_from_vissl", False):  # VISSL's own folder: its lines are its own
             return
-        k, train, complete = int(point[0]), bool(point[1]), bool(point[2])
-        covered = k + 1 if (not train or complete) else k  # train phases 0 .. covered - 1 are done
+        here, complete = (int(point[0]), 0 if point[1] else 1), bool(point[2])
         have = {pos for pos in map(record_position, kept) if pos is not None}
-        missing = [str(i) for i in range(covered) if (i, 0) not in have]
+        missing, train_phase_idx = [], -1
+        for phase in getattr(task, "phases", []):  # the phases before the checkpoint's position, and its own if done
+            train_phase_idx += 1 if phase["train"] else 0
+            pos = (train_phase_idx, 0 if phase["train"] else 1)
+            if (pos < here or (pos == here and complete)) and pos not in have:
+                missing.append(f"train phase {pos[0]}" if pos[1] == 0 else f"the test phase after train phase {pos[0]}")
         if missing:
-            log.warning("%s has no line for train phase%s %s, which the checkpoint covers (the file was emptied, "
-                        "replaced or deleted since): those phases are not run again, so their lines stay missing",
-                        self.path, "s" if len(missing) > 1 else "", first_few(missing, quote=False))
+            log.warning("%s has no line for %s, which the checkpoint covers (the file was emptied, replaced, cut or "
+                        "deleted since): those phases are not run again, so their lines stay missing",
+                        self.path, first_few(missing, quote=False))
 
     @property
     def synced_by_checkpoints(self) -> List[Path]:

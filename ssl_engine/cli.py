@@ -31,7 +31,9 @@ from ssl_engine.errors import (
     NonFiniteLossError,
     UserError,
     file_system_error,
+    killed_worker_line,
     one_line,
+    quiet_killed_worker_echoes,
 )
 
 log = logging.getLogger("ssl_engine")
@@ -223,6 +225,7 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
             from ssl_engine import preemption
 
             preemption.install()  # a preemption signal during startup is kept for the first step, not fatal
+            quiet_killed_worker_echoes()
             quiet_dependency_warnings()
             overrides, node_id, flag = _split_args(argv)
             debug = debug or flag
@@ -242,6 +245,10 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
         if file_error is not None:
             _report(file_error, debug)
             return USER_ERROR_EXIT_CODE
+        worker = killed_worker_line(str(e))
+        if worker is not None:
+            _report(RuntimeError(worker), debug)
+            return RUN_FAILED_EXIT_CODE
         if debug or not _raised_while_interrupted(e):
             raise
         # Ctrl-C landed inside library code that then failed on its way out (e.g. a thread

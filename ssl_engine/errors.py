@@ -59,6 +59,41 @@ def does_not_exist(key: str, value: object) -> str:
     return f"{key}: {text!r} does not exist{hint}"
 
 
+_KILLED_WORKER = re.compile(r"DataLoader worker \(pid\(?s?\)? ([0-9, ]+)\) (?:is killed by signal: ([^.\n]+)|exited unexpectedly)")
+
+
+def killed_worker_line(text: str) -> Optional[str]:
+    """One line for torch's error of a loader worker that died (the kernel's OOM killer, a kill by
+    hand), found in an exception's text or a rank's traceback; None for any other error."""
+    m = _KILLED_WORKER.search(text)
+    if m is None:
+        return None
+    how = f"was killed by signal {m.group(2).strip()}" if m.group(2) else "exited unexpectedly"
+    return (f"loader worker (pid {m.group(1).strip()}) {how}; if the system ran out of memory, lower "
+            f"config.DATA.NUM_DATALOADER_WORKERS or the batch size; rerun the same command to resume")
+
+
+def quiet_killed_worker_echoes(rank: bool = False) -> None:
+    """torch's SIGCHLD handler raises the killed-worker error wherever the process is, also inside
+    a callback, where Python can only print it as "Exception ignored in ..." with a traceback. The
+    training loop raises the same error next, and it is reported once, in one line (see
+    :func:`killed_worker_line`): leave those echoes out of stderr. In a spawned ``rank`` the same
+    goes for a KeyboardInterrupt: the launcher's request to stop after another rank failed (it
+    kills a rank that goes on), whose cause the launcher reports."""
+    import sys
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable: "sys.UnraisableHookArgs") -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and killed_worker_line(str(unraisable.exc_value)):
+            return
+        if rank and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; training stops without checkpointing that state."""
 

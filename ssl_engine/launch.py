@@ -36,6 +36,8 @@ from ssl_engine.errors import (
     ConfigError,
     NonFiniteLossError,
     UserError,
+    killed_worker_line,
+    quiet_killed_worker_echoes,
 )
 from ssl_engine.socket_dir import ensure_short_socket_dir
 
@@ -199,6 +201,7 @@ def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid
     # job inherited SIGINT ignored, as a script's background job does; the launcher keeps that
     # ignore for a Ctrl-C of its own (see Launcher.run).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    quiet_killed_worker_echoes(rank=True)
     _route_preemption_signals()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_WHILE_STARTING)
     code = 0
@@ -434,6 +437,9 @@ class RankGroup:
         if exitcode == INTERRUPTED_EXIT_CODE:
             sys.stderr.write("interrupted\n")
             return INTERRUPTED_EXIT_CODE
+        if text and killed_worker_line(text):
+            sys.stderr.write(f"error: rank {rank}: {killed_worker_line(text)}\n")
+            return 1
         if text:
             sys.stderr.write(f"rank {rank} failed first (exit code {exitcode}):\n{text.rstrip()}\n")
             return exitcode if exitcode and exitcode > 0 else 1

@@ -39,6 +39,10 @@ class KillAt(SSLHook):
             os.kill(os.getpid(), signal.SIGKILL)
         if event == "term" and task.iteration == num:
             os.kill(os.getpid(), signal.SIGTERM)
+        if event == "worker" and task.iteration == num and task.rank == 0:
+            # what torch raises when the kernel's OOM killer ended a loader worker (a real kill races
+            # with the batches in flight: the error can come from another place first)
+            raise RuntimeError(f"DataLoader worker (pid {os.getpid() + 1}) is killed by signal: Killed. ")
         if event == "group_term" and task.iteration == num and task.rank == 0:
             # the tool's process group, as a scheduler or `timeout` signals a job (the tool runs as a
             # session leader; a rank is a group of its own in that session)
@@ -343,6 +347,24 @@ def test_a_preempted_run_without_auto_resume_says_how_to_resume_it(setup, tmp_pa
     r = run(cfg, folder, "config.CHECKPOINT.AUTO_RESUME=false", f"config.CHECKPOINT.RESUME_FROM={m.group(2)}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resumed from {m.group(2)}" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_killed_loader_worker_is_one_line_and_the_rerun_resumes(setup, tmp_path, ranks):
+    """torch's "DataLoader worker (pid N) is killed by signal: Killed." came out as a 47-line
+    traceback: it is one line naming the worker, the likely cause and the way on (exit code 1), from
+    the tool's own process and through the launcher."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    args = ["config.DATA.NUM_DATALOADER_WORKERS=2", f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}"]
+    r = run(cfg, folder, *args, kill="worker:3")
+    err = r.stderr.strip()
+    assert r.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert re.fullmatch(r"error: (rank 0: )?loader worker \(pid \d+\) was killed by signal Killed; "
+                        r"if the system ran out of memory, lower config\.DATA\.NUM_DATALOADER_WORKERS or the batch size; "
+                        r"rerun the same command to resume", err.splitlines()[-1]), err[-3000:]
+    r = run(cfg, folder, *args)
+    assert r.returncode == 0 and "resumed from" in r.stdout + r.stderr, r.stderr[-3000:]
 
 
 def test_resume_does_not_replay_data(setup, tmp_path):

@@ -450,11 +450,7 @@ def is_older_layout_key(key: str) -> bool:
     ...) lies at or under a place of VISSL's older layout that :func:`_upgrade_older_layout`
     reads at its 0.1.6 place; a command-line override of one is composed where it is written
     and moved from there, as the same key in a yaml file is."""
-    for old in [*MOVED_KEYS, TRUNK_PARAMS_PATH]:
-        place = "config." + ".".join(old)
-        if key == place or key.startswith(place + "."):
-            return True
-    return False
+    return _new_place(key) is not None
 
 
 def _new_place(key: str) -> Optional[str]:

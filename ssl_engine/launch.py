@@ -437,8 +437,9 @@ class RankGroup:
         if exitcode == INTERRUPTED_EXIT_CODE:
             sys.stderr.write("interrupted\n")
             return INTERRUPTED_EXIT_CODE
-        if text and killed_worker_line(text):
-            sys.stderr.write(f"error: rank {rank}: {killed_worker_line(text)}\n")
+        worker = killed_worker_line(text) if text else None
+        if worker is not None:
+            sys.stderr.write(f"error: rank {rank}: {worker}\n")
             return 1
         if text:
             sys.stderr.write(f"rank {rank} failed first (exit code {exitcode}):\n{text.rstrip()}\n")

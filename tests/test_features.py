@@ -331,9 +331,12 @@ def test_extraction_with_one_and_two_ranks_gives_the_same_features(pretrained: P
     names = sorted(p.name for p in two.iterdir())
     assert names[:2] == ["extraction_test.json", "extraction_train.json"]
     assert all(SHARD_RE.match(n) for n in names[2:]), names
-    assert extraction_status(two, "TRAIN") == {"status": "complete", "split": "train", "samples": 101,
-                                               "layers": {"res5avg": {"shape": [512], "dtype": "float32"}},
-                                               "label_type": "standard"}  # digits: no class folders, no names
+    status = extraction_status(two, "TRAIN")
+    weights = status.pop("weights")  # the checkpoint the folder's pointer names, with its size and time
+    assert weights.startswith(f"{(pretrained / 'checkpoint.torch').resolve()} (") and " bytes, modified " in weights
+    assert status == {"status": "complete", "split": "train", "samples": 101,
+                      "layers": {"res5avg": {"shape": [512], "dtype": "float32"}},
+                      "label_type": "standard"}  # digits: no class folders, no names
     # 101 train samples: rank 0 gets 51 (chunks of 16, 16, 16, 3), rank 1 gets 50 (16, 16, 16, 2)
     for rank, last in ((0, 3), (1, 2)):
         sizes = [len(np.load(shard_path(two, rank, c, "train", "res5avg", "inds"))) for c in range(4)]

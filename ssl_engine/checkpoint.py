@@ -180,6 +180,10 @@ def point_to(folder: Path, name: str) -> None:
             tmp.unlink()
         except OSError:
             pass
+        # the run made this folder: a link that cannot be made in it means the folder went away
+        gone = folder_gone(str(folder / POINTER), known=True) if e.errno == errno.ENOENT else None
+        if gone is not None:
+            raise CheckpointError(str(gone)) from e
         raise CheckpointError(f"cannot update {POINTER} in {folder}: {e.strerror}") from e
 
 

@@ -47,6 +47,27 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert ck.load_checkpoint(tmp_path / "checkpoint.torch")["iteration"] == 2
 
 
+def test_a_folder_deleted_between_the_write_and_the_pointer_swap_is_named_as_gone(tmp_path, monkeypatch):
+    """The folder can vanish after the checkpoint file is renamed into place and before the
+    pointer is swapped (a background write races the deletion): the error is the same
+    'folder is gone' one as for a write that failed, not a bare 'No such file or directory'."""
+    import shutil
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    real_write = ck.atomic_write
+
+    def write_then_delete_folder(path, write, mode="wb"):
+        real_write(path, write, mode)
+        shutil.rmtree(folder)
+
+    monkeypatch.setattr(ck, "atomic_write", write_then_delete_folder)
+    with pytest.raises(CheckpointError) as e:
+        ck.save_checkpoint(folder, ck.iteration_checkpoint_name(2), engine_ckpt(2))
+    assert f"its folder {folder} is gone (deleted or moved while the run was using it" in str(e.value)
+    assert not folder.exists()
+
+
 def test_a_checkpoint_whose_bytes_changed_is_skipped_on_resume(tmp_path, caplog):
     """Same size, zip directory intact, tensor bytes changed (a damaged disk or copy): it loads,
     but the zip's CRC-32 of the record no longer matches; the resume takes the previous one."""

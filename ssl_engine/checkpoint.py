@@ -804,7 +804,7 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
             log.warning("skipping checkpoint %s: %s", p.name, e)
             continue
         if damaged:
-            log.warning("skipping checkpoint %s: %s", p.name, damaged)
+            log.warning("skipping checkpoint %s: it %s", p.name, damaged)
             continue
         if not is_engine_checkpoint(data):
             log.warning("skipping %s: not an ssl_engine checkpoint", p.name)

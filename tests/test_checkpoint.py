@@ -84,7 +84,7 @@ def test_a_checkpoint_whose_bytes_changed_is_skipped_on_resume(tmp_path, caplog)
     assert ck.load_checkpoint(newest)["classy_state_dict"]["base_model"]["w"][0] == 5.0  # torch.load does not notice
     path, data = ck.newest_good_checkpoint(tmp_path)
     assert path.name == "model_iteration2.torch" and data["iteration"] == 2
-    assert "skipping checkpoint model_iteration4.torch: is corrupt: the stored checksum of its record" in caplog.text
+    assert "skipping checkpoint model_iteration4.torch: it is corrupt: the stored checksum of its record" in caplog.text
     assert ck.damaged_record(tmp_path / "model_iteration2.torch") is None
 
 

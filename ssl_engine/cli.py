@@ -245,7 +245,9 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
         if file_error is not None:
             _report(file_error, debug)
             return USER_ERROR_EXIT_CODE
-        worker = killed_worker_line(str(e))
+        import traceback
+
+        worker = killed_worker_line("".join(traceback.format_exception(type(e), e, e.__traceback__)))
         if worker is not None:
             _report(RuntimeError(worker), debug)
             return RUN_FAILED_EXIT_CODE

@@ -62,15 +62,29 @@ def does_not_exist(key: str, value: object) -> str:
 _KILLED_WORKER = re.compile(r"DataLoader worker \(pid\(?s?\)? ([0-9, ]+)\) (?:is killed by signal: ([^.\n]+)|exited unexpectedly)")
 
 
+_CUT_HANDOVER = re.compile(r"^(?:EOFError|ConnectionResetError|ConnectionRefusedError|BrokenPipeError)\b.*$")
+_WORKER_DIED_ADVICE = ("if the system ran out of memory, lower config.DATA.NUM_DATALOADER_WORKERS or the batch size; "
+                       "rerun the same command to resume")
+
+
 def killed_worker_line(text: str) -> Optional[str]:
     """One line for torch's error of a loader worker that died (the kernel's OOM killer, a kill by
-    hand), found in an exception's text or a rank's traceback; None for any other error."""
+    hand), found in an exception's traceback text or a rank's; None for any other error.
+
+    A worker killed while it hands a batch over cuts the connection the batch travels on: the
+    loader reads an EOFError or ConnectionResetError in its own code before torch notices the
+    worker is gone. Such an error raised in torch's loader (and not re-raised from a worker,
+    whose errors say "in DataLoader worker process") is the same death."""
     m = _KILLED_WORKER.search(text)
-    if m is None:
+    if m is not None:
+        how = f"was killed by signal {m.group(2).strip()}" if m.group(2) else "exited unexpectedly"
+        return f"loader worker (pid {m.group(1).strip()}) {how}; {_WORKER_DIED_ADVICE}"
+    if "torch/utils/data/dataloader.py" not in text or "in DataLoader worker process" in text:
         return None
-    how = f"was killed by signal {m.group(2).strip()}" if m.group(2) else "exited unexpectedly"
-    return (f"loader worker (pid {m.group(1).strip()}) {how}; if the system ran out of memory, lower "
-            f"config.DATA.NUM_DATALOADER_WORKERS or the batch size; rerun the same command to resume")
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines or not _CUT_HANDOVER.match(lines[-1]):
+        return None
+    return f"a loader worker ended while it handed a batch over ({lines[-1]}); {_WORKER_DIED_ADVICE}"
 
 
 def quiet_killed_worker_echoes(rank: bool = False) -> None:

@@ -59,6 +59,20 @@ class KillAt(SSLHook):
                 shutil.rmtree(task.checkpoint_folder, ignore_errors=True)
 
 
+if event == "handover":  # a worker killed while it hands the num-th batch over (the race a real kill can hit)
+    from torch.utils.data import dataloader as _dl
+
+    _orig_get, _gets = _dl._MultiProcessingDataLoaderIter._try_get_data, [0]
+
+    def _try_get_data(self, *args, **kwargs):
+        _gets[0] += 1
+        if _gets[0] == num:
+            raise ConnectionResetError(104, "Connection reset by peer")  # what the cut socket gives
+        return _orig_get(self, *args, **kwargs)
+
+    _dl._MultiProcessingDataLoaderIter._try_get_data = _try_get_data
+
+
 if event == "save":  # die in the middle of writing the num-th checkpoint file
     _orig, _count = ck.atomic_write, [0]
 
@@ -350,17 +364,21 @@ def test_a_preempted_run_without_auto_resume_says_how_to_resume_it(setup, tmp_pa
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_killed_loader_worker_is_one_line_and_the_rerun_resumes(setup, tmp_path, ranks):
+@pytest.mark.parametrize("kill", ["worker:3", "handover:5"])
+def test_a_killed_loader_worker_is_one_line_and_the_rerun_resumes(setup, tmp_path, ranks, kill):
     """torch's "DataLoader worker (pid N) is killed by signal: Killed." came out as a 47-line
     traceback: it is one line naming the worker, the likely cause and the way on (exit code 1), from
-    the tool's own process and through the launcher."""
+    the tool's own process and through the launcher. A kill that lands while the worker hands a
+    batch over surfaces as the cut connection's ConnectionResetError instead: one line too."""
     root, cfg = setup
     folder = tmp_path / "run"
     args = ["config.DATA.NUM_DATALOADER_WORKERS=2", f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}"]
-    r = run(cfg, folder, *args, kill="worker:3")
+    r = run(cfg, folder, *args, kill=kill)
     err = r.stderr.strip()
     assert r.returncode == 1 and "Traceback" not in err, err[-3000:]
-    assert re.fullmatch(r"error: (rank 0: )?loader worker \(pid \d+\) was killed by signal Killed; "
+    what = (r"loader worker \(pid \d+\) was killed by signal Killed" if kill.startswith("worker") else
+            r"a loader worker ended while it handed a batch over \(ConnectionResetError: \[Errno 104\] Connection reset by peer\)")
+    assert re.fullmatch(rf"error: (rank \d: )?{what}; "
                         r"if the system ran out of memory, lower config\.DATA\.NUM_DATALOADER_WORKERS or the batch size; "
                         r"rerun the same command to resume", err.splitlines()[-1]), err[-3000:]
     r = run(cfg, folder, *args)

@@ -505,9 +505,58 @@ def test_forked_compose_reports_config_errors_and_recomposes_what_the_child_coul
             raise AssertionError('the cancelled child was not reaped')
         except ChildProcessError:
             pass
+        # a child cancelled while composing (Ctrl-C in the first half second) leaves no scratch
+        # folder in the temp folder
+        import glob, tempfile, time
+        from ssl_engine.config import compose as compose_module
+        def slow_hydra(*args, **kwargs):
+            time.sleep(60)
+        compose_module._hydra_compose = slow_hydra  # the forked child inherits it
+        pending = forked_compose.start(['config=quick/simclr_synthetic'])
+        pattern = os.path.join(tempfile.gettempdir(), forked_compose.scratch_folder_prefix(pending._pid) + '*')
+        deadline = time.time() + 60
+        while not glob.glob(pattern) and time.time() < deadline:
+            time.sleep(0.01)
+        assert glob.glob(pattern), 'the child made no scratch folder'
+        pending.cancel()
+        assert not glob.glob(pattern), glob.glob(pattern)
         print('ok')
     """)
     assert proc.returncode == 0 and proc.stdout.strip().splitlines() == ["ok"], (proc.stdout, proc.stderr[-2000:])
+
+
+def test_compose_removes_scratch_folders_of_killed_composing_processes(tmp_path, monkeypatch):
+    """A process killed with SIGKILL while composing cannot remove its scratch folder from the
+    temp folder; a later compose does, once the folder is old and its pid gone. A young folder,
+    a running process's and one of another naming are kept."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from ssl_engine.config import compose
+    from ssl_engine.config.forked_compose import scratch_folder_prefix
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    old = time.time() - 3600
+    folders = {
+        "dead_old": tmp_path / f"{scratch_folder_prefix(gone.pid)}abc",
+        "dead_young": tmp_path / f"{scratch_folder_prefix(gone.pid)}def",
+        "alive_old": tmp_path / f"{scratch_folder_prefix(os.getpid())}ghi",
+        "other": tmp_path / "ssl_engine_cfg_x8i0cf_r",
+    }
+    for name, folder in folders.items():
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "f.yaml").write_text("a: 1\n")
+        if name != "dead_young":
+            os.utime(folder, (old, old))
+    compose(["config=quick/simclr_synthetic"])
+    assert {name: folder.exists() for name, folder in folders.items()} == {
+        "dead_old": False, "dead_young": True, "alive_old": True, "other": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for n, f in folders.items() if n != "dead_old")
 
 
 def test_forked_compose_logs_each_compose_warning_once():

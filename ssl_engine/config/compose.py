@@ -21,6 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ssl_engine.config.attr_dict import AttrDict
+from ssl_engine.config.forked_compose import remove_stale_scratch_folders, scratch_folder_prefix
 from ssl_engine.config.validate import (
     flatten_keys,
     is_older_layout_key,
@@ -550,7 +551,8 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     command_line: List[str] = []  # the overrides' keys: they win over a yaml file's older layout
     experiment: Optional[str] = None
     overlay_files: List[Path] = []
-    with tempfile.TemporaryDirectory(prefix="ssl_engine_cfg_") as tmpdir:
+    remove_stale_scratch_folders()
+    with tempfile.TemporaryDirectory(prefix=scratch_folder_prefix(os.getpid())) as tmpdir:
         extra_dirs: List[Path] = []
         for item in overrides:
             key, value = _split_override(item)

@@ -157,6 +157,7 @@ class PendingConfig:
         except ProcessLookupError:
             pass
         self._thread.join(timeout=5)  # reaps the child
+        _remove_scratch_folders(self._pid)
 
     def result(self) -> Any:
         """The composed config; raises the config's UserError, or composes here if the child could not."""
@@ -172,6 +173,48 @@ class PendingConfig:
         if self._on_config is not None:
             self._on_config(cfg)
         return cfg
+
+
+_SCRATCH_PREFIX = "ssl_engine_cfg_"
+
+
+def scratch_folder_prefix(pid: int) -> str:
+    """The name prefix of compose's scratch folder in the system temp folder: it holds the
+    composing process's pid, so that the folder of a compose child killed while composing
+    (cancelled on Ctrl-C) can be found and removed by its parent."""
+    return f"{_SCRATCH_PREFIX}{pid}_"
+
+
+def _remove_scratch_folders(pid: int) -> None:
+    """Remove the scratch folder that compose child ``pid``, killed while composing, left behind."""
+    import glob
+    import shutil
+    import tempfile
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), scratch_folder_prefix(pid) + "*")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_scratch_folders(min_age_s: float = 600.0) -> None:
+    """Remove the scratch folders of composing processes that no longer run (killed with
+    SIGKILL while composing, which leaves no chance to clean up). Composing takes about a
+    second: a folder younger than ``min_age_s`` is left alone, also when its pid looks gone
+    (a process of another pid namespace sharing the temp folder)."""
+    import glob
+    import shutil
+    import tempfile
+    import time
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_SCRATCH_PREFIX}*_*")):
+        pid = os.path.basename(path)[len(_SCRATCH_PREFIX):].split("_", 1)[0]
+        try:
+            if not pid.isdigit() or time.time() - os.path.getmtime(path) < min_age_s:
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # another user's process: it runs
+            pass
 
 
 def start(overrides: List[str], on_config: Optional[Callable[[Any], None]] = None,

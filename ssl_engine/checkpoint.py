@@ -602,8 +602,8 @@ def set_aside_previous_run(folder: Path) -> Optional[Path]:
     while os.path.lexists(folder / f"{PREVIOUS_RUN_PREFIX}{n}"):
         n += 1
     target = folder / f"{PREVIOUS_RUN_PREFIX}{n}"
-    target.mkdir()
-    atomic_write_text(folder / SET_ASIDE_MARKER, target.name + "\n")
+    atomic_write_text(folder / SET_ASIDE_MARKER, target.name + "\n")  # first: a kill after it leaves no empty folder
+    target.mkdir(exist_ok=True)
     moved = _move_run_files(folder, target)
     log.warning(
         "%s holds the checkpoints of an earlier run and this run starts from scratch: moved %d of its files into %s "

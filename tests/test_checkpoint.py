@@ -68,6 +68,51 @@ def test_a_folder_deleted_between_the_write_and_the_pointer_swap_is_named_as_gon
     assert not folder.exists()
 
 
+@pytest.mark.parametrize("dies_at", ["marker", "mkdir", "first_move"])
+def test_a_set_aside_killed_at_any_step_is_finished_by_the_next_run(tmp_path, monkeypatch, dies_at):
+    """Setting an earlier run aside writes its marker, makes previous_run.N and moves the files
+    one by one: a kill at any step leaves a marker that the next run's finish_set_aside completes,
+    never a previous_run.N that nothing names (empty, beside the earlier run's files)."""
+    for i in (2, 4):
+        ck.save_checkpoint(tmp_path, ck.iteration_checkpoint_name(i), engine_ckpt(i))
+    (tmp_path / "metrics.json").write_text('{"iteration": 4}\n')
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    class Killed(BaseException):
+        pass
+
+    real_write, real_mkdir, real_replace = ck.atomic_write_text, Path.mkdir, os.replace
+
+    def write(path, text):
+        real_write(path, text)
+        if dies_at == "marker":
+            raise Killed
+
+    def mkdir(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if dies_at == "mkdir" and self.name.startswith("previous_run."):
+            raise Killed
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if dies_at == "first_move":
+            raise Killed
+
+    monkeypatch.setattr(ck, "atomic_write_text", write)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setattr(ck.os, "replace", replace)
+    with pytest.raises(Killed):
+        ck.set_aside_previous_run(tmp_path)
+    monkeypatch.undo()
+    previous = tmp_path / "previous_run.1"
+    # the marker names the folder from the first step on (an unnamed empty previous_run.1 would stay forever)
+    assert (tmp_path / ck.SET_ASIDE_MARKER).read_text() == "previous_run.1\n"
+    assert ck.finish_set_aside(tmp_path) == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["previous_run.1"]
+    assert sorted(p.name for p in previous.iterdir()) == before
+    assert ck.newest_good_checkpoint(tmp_path) is None
+
+
 def test_a_checkpoint_whose_bytes_changed_is_skipped_on_resume(tmp_path, caplog):
     """Same size, zip directory intact, tensor bytes changed (a damaged disk or copy): it loads,
     but the zip's CRC-32 of the record no longer matches; the resume takes the previous one."""

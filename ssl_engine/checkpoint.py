@@ -161,6 +161,16 @@ def remove_stale_temp_files(folder: Path) -> List[str]:
     return removed
 
 
+def free_name(path: Path) -> Path:
+    """``path`` or, when it exists, ``path.1``, ``path.2``, ...: a name nothing has yet."""
+    path = Path(path)
+    candidate, n = path, 0
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text), mode="w")
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ssl_engine import distributed as du
-from ssl_engine.checkpoint import atomic_write_text, sync_files
+from ssl_engine.checkpoint import atomic_write_text, free_name, sync_files
 from ssl_engine.errors import UserError, first_few
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
@@ -64,15 +64,6 @@ def append_line(path: Path, line: str) -> None:
             raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a metrics line could be written", str(path))
     finally:
         os.close(fd)
-
-
-def _free_name(path: Path) -> Path:
-    """``path`` or, when it exists, ``path.1``, ``path.2``, ...: a name nothing has yet."""
-    candidate, n = path, 0
-    while os.path.lexists(candidate):
-        n += 1
-        candidate = path.with_name(f"{path.name}.{n}")
-    return candidate
 
 
 def flatten_metrics(record: Dict[str, Any], sep: str = "/") -> Dict[str, float]:
@@ -136,7 +127,7 @@ class MetricsHook(SSLHook):
         partial = bool(text) and not text.endswith("\n")
         unreadable = text.count("\n") - len(readable)
         if unreadable > 0:  # damaged whole lines (a half last line is a kill's, and expected): kept aside
-            aside = _free_name(self.path.with_name(self.path.name + ".unreadable"))
+            aside = free_name(self.path.with_name(self.path.name + ".unreadable"))
             atomic_write_text(aside, text)
             log.warning("%s: %d line(s) are not phase records and are left out; the file as it was is kept as %s",
                         self.path, unreadable, aside.name)

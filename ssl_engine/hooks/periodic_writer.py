@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ssl_engine import distributed as du
+from ssl_engine.checkpoint import atomic_write, free_name
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
 from ssl_engine.hooks.resume_point import done_before_resume
@@ -107,26 +108,31 @@ def lines_from_end(fd: int, end: int, block: int = 65536) -> Iterator[Tuple[int,
         stop, carry = start, data[:line_end]
 
 
-def drop_trailing_records(fd: int, keep: Callable[[Dict[str, Any]], bool]) -> int:
-    """Cut the file's trailing json lines for which ``keep`` is False; returns how many.
+def drop_trailing_records(fd: int, keep: Callable[[Dict[str, Any]], bool]) -> Tuple[int, bytes]:
+    """Cut the file's trailing json lines for which ``keep`` is False: (how many records, the
+    bytes of the lines among them that are not json records, e.g. text something else appended).
 
-    Stops at the first line from the end that is kept (or is not a json object), so lines before
-    it are never touched; the cut is one ftruncate, made durable before the run appends again.
+    Stops at the first record from the end that is kept, so lines before it are never touched;
+    the cut is one ftruncate, made durable before the run appends again.
     """
     size = os.fstat(fd).st_size
-    cut, dropped = size, 0
+    cut, dropped, foreign = size, 0, []
     for offset, line in lines_from_end(fd, size):
         try:
             record = json.loads(line)
         except ValueError:
-            break
-        if not isinstance(record, dict) or keep(record):
-            break
-        cut, dropped = offset, dropped + 1
+            record = None
+        if isinstance(record, dict):
+            if keep(record):
+                break
+            dropped += 1
+        elif line.strip():
+            foreign.append(line + b"\n")
+        cut = offset
     if cut != size:
         os.ftruncate(fd, cut)
         os.fsync(fd)
-    return dropped
+    return dropped, b"".join(reversed(foreign))
 
 
 class JsonLinesWriter(Writer):
@@ -147,7 +153,12 @@ class JsonLinesWriter(Writer):
     def rewind(self, logged_before: Callable[[Dict[str, Any]], bool], iteration: int = 0) -> None:
         """Drop the trailing lines of iterations the resumed run redoes (a line per iteration, once)."""
         if self._fd is not None or self.path.is_file():
-            dropped = drop_trailing_records(self._open(), logged_before)
+            dropped, foreign = drop_trailing_records(self._open(), logged_before)
+            if foreign:  # nothing is lost: the lines that are not the run's are kept aside
+                aside = free_name(self.path.with_name(self.path.name + ".unreadable"))
+                atomic_write(aside, lambda f: f.write(foreign))
+                log.warning("%s: %d line(s) at its end are not iteration records and are left out; they are kept "
+                            "as %s", self.path, foreign.count(b"\n"), aside.name)
             if dropped:
                 log.info("%s: dropped %d line(s) logged after the checkpoint; those iterations run again",
                          self.path.name, dropped)

@@ -487,6 +487,7 @@ def test_resuming_from_a_finished_checkpoint_says_nothing_is_left(setup, referen
     assert r.returncode == 2 and (f"error: {inside} was written during training epoch 2 of its run, and this config "
                                   "trains config.OPTIMIZER.num_epochs=1: nothing is left to run; raise "
                                   "config.OPTIMIZER.num_epochs to 2 or more") in r.stderr, r.stderr[-2000:]
+    assert "going on from the next phase" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]  # there is none
     # with more epochs it trains on from there
     r = run(cfg, tmp_path / "more", f"config.CHECKPOINT.RESUME_FROM={final}", "config.DATA.NUM_DATALOADER_WORKERS=0",
             "config.OPTIMIZER.num_epochs=4")

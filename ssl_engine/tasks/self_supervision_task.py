@@ -571,7 +571,7 @@ class SelfSupervisionTask(ClassyTask):
                 return tests[0], True
         # the phase is not in this config: stand at the end of train phase k (or of the run)
         at = trains[k] if 0 <= k < len(trains) else len(self.phases) - 1 if k >= len(trains) else -1
-        if not state["phase_complete"] and du.is_primary():
+        if not state["phase_complete"] and at + 1 < len(self.phases) and du.is_primary():  # else nothing is left to run
             log.warning(
                 "the checkpoint stopped in a %s phase (after train phase %d) that this config does not have "
                 "(TEST_MODEL / TEST_EVERY_NUM_EPOCH / num_epochs differ): going on from the next phase",

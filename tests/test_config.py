@@ -892,6 +892,59 @@ def test_a_config_group_file_wins_over_the_experiments_older_layout(tmp_path, mo
     assert cfg.MODEL.TRUNK.RESNETS.DEPTH == 152
 
 
+def test_a_file_that_inherits_a_vissl_experiment_wins_over_its_older_layout(tmp_path, monkeypatch):
+    """A user's file lists VISSL's experiment (TRUNK_PARAMS.RESNETS.DEPTH: 50, top-level
+    TENSORBOARD_SETUP) in its defaults and sets the new places itself: with _self_ last (hydra's
+    default) the user's values win, as hydra merges them; the older layout no longer overrides
+    them silently after composing (a ResNet-50 was built where the file asked for a ResNet-101).
+    With _self_ first, or a later defaults entry in the older layout, the older value wins."""
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))
+    vissl = tmp_path / "config" / "pretrain" / "simclr"
+    vissl.mkdir(parents=True)
+    write_yaml(vissl, "simclr_old.yaml", """\
+        # @package _global_
+        config:
+          MODEL:
+            TRUNK:
+              NAME: resnet
+              TRUNK_PARAMS:
+                RESNETS:
+                  DEPTH: 50
+          TENSORBOARD_SETUP:
+            USE_TENSORBOARD: true
+        """)
+    user = tmp_path / "config" / "user"
+    user.mkdir()
+    body = """\
+        config:
+          MODEL:
+            TRUNK:
+              RESNETS:
+                DEPTH: 101
+          HOOKS:
+            TENSORBOARD_SETUP:
+              USE_TENSORBOARD: false
+        """
+    body = textwrap.dedent(body)
+    write_yaml(user, "mine.yaml", "# @package _global_\ndefaults:\n  - /config/pretrain/simclr/simclr_old\n  - _self_\n" + body)
+    write_yaml(user, "implicit_self.yaml", "# @package _global_\ndefaults:\n  - /config/pretrain/simclr/simclr_old\n" + body)
+    write_yaml(user, "self_first.yaml", "# @package _global_\ndefaults:\n  - _self_\n  - /config/pretrain/simclr/simclr_old\n" + body)
+    write_yaml(user, "chain.yaml", "# @package _global_\ndefaults:\n  - /config/user/mine\n  - _self_\n"
+                                   "config:\n  OPTIMIZER:\n    num_epochs: 3\n")
+    for name in ("mine", "implicit_self", "chain"):
+        cfg = compose([f"config=user/{name}"])
+        assert (cfg.MODEL.TRUNK.RESNETS.DEPTH, cfg.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD) == (101, False), name
+    cfg = compose(["config=user/self_first"])
+    assert (cfg.MODEL.TRUNK.RESNETS.DEPTH, cfg.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD) == (50, True)
+    # the command line wins over both, in either layout
+    assert compose(["config=user/mine", "config.MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH=34"]).MODEL.TRUNK.RESNETS.DEPTH == 34
+    assert compose(["config=user/self_first", "config.MODEL.TRUNK.RESNETS.DEPTH=18"]).MODEL.TRUNK.RESNETS.DEPTH == 18
+    # a user file given by path inherits the same way
+    path = write_yaml(tmp_path, "by_path.yaml", "# @package _global_\ndefaults:\n  - /config/pretrain/simclr/simclr_old\n"
+                                                "  - _self_\n" + body)
+    assert compose([f"config={path}"]).MODEL.TRUNK.RESNETS.DEPTH == 101
+
+
 def test_every_problem_of_a_file_is_named_at_once(tmp_path):
     path = write_yaml(tmp_path, "three_mistakes.yaml", """\
         # @package _global_

@@ -443,12 +443,10 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    paths = ",".join(f"file://{d}" for d in search_dirs)
-    all_overrides = [f"hydra.searchpath=[{paths}]"] + overrides
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(DEFAULTS_DIR), version_base=None):
-            cfg = hydra_compose(config_name="defaults", overrides=all_overrides)
+            cfg = hydra_compose(config_name="defaults", overrides=_with_search_path(overrides, search_dirs))
             return OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:  # hydra/omegaconf raise many types on bad input; all of them are the input's fault
         missing = _explain_missing_default(" ".join(str(e).split()), user_file)
@@ -459,6 +457,41 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file:
             msg = re.sub(r"\S*/config/" + _USER_FILE + r"\.yaml", user_file, msg)
             msg = msg.replace(f"config/{_USER_FILE}", user_file)
         raise ConfigError(msg) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _with_search_path(overrides: List[str], search_dirs: Iterable[Path]) -> List[str]:
+    paths = ",".join(f"file://{d}" for d in search_dirs)
+    return [f"hydra.searchpath=[{paths}]"] + overrides
+
+
+def _merged_files(overrides: List[str], search_dirs: Iterable[Path]) -> List[Any]:
+    """The content of each yaml file that composing ``overrides`` merges, in hydra's merge order
+    (an experiment's ``defaults:`` entries, its own body at ``_self_``, then ``+config/<group>``
+    files), each placed at its package; the engine's defaults.yaml and hydra's own files left out.
+    Empty where hydra's loader cannot say (the caller then knows only the ``+config`` files' order).
+
+    The older layout's keys are moved to their new places after composing, where the order of
+    the files is lost: this order says which of an older key and its new place was set last."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        from hydra._internal.defaults_list import create_defaults_list
+
+        with initialize_config_dir(config_dir=str(DEFAULTS_DIR), version_base=None):
+            loader = GlobalHydra.instance().config_loader()
+            parsed, repo = loader._parse_overrides_and_create_caching_repo(
+                "defaults", _with_search_path(overrides, search_dirs))
+            merged = create_defaults_list(repo=repo, config_name="defaults", overrides_list=parsed,
+                                          prepend_hydra=False, skip_missing=False)
+            return [OmegaConf.to_container(loader._load_single_config(d, repo).config)
+                    for d in merged.defaults if not d.primary and not (d.config_path or "").startswith("hydra/")]
+    except Exception:  # noqa: BLE001 - hydra's internals differ: fall back to what the caller knows
+        log.debug("cannot list the merged yaml files in order", exc_info=True)
+        return []
     finally:
         GlobalHydra.instance().clear()
 
@@ -587,6 +620,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 key = f"++{key}"
             hydra_overrides.append(f"{key}={value}")
         user_file = None
+        merged_files: List[Any] = []  # every yaml file hydra merged, in merge order
         if experiment is not None:
             option, extra_dirs, experiment_file = _resolve_experiment(experiment, Path(tmpdir))
             added_keys += declared_added_keys(experiment_file)
@@ -598,12 +632,15 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if command_line and (str(e).startswith("unknown config key") or _names_a_list_entry(str(e))):
                 _explain_override_into_a_value(hydra_overrides, command_line, extra_dirs, user_file)
             raise
+        if any(is_older_layout_key(k) for k in flatten_keys(root)):  # which file set what last decides
+            merged_files = _merged_files(hydra_overrides, extra_dirs + config_search_dirs())
     root.pop("hydra", None)
     _read_legacy_extract_switch(root, engine_on_command_line="engine_name" in command_line)
     if not isinstance(root.get("config"), dict):
         raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
     older_on_command_line = [k for k in (_split_override(i)[0].lstrip("+") for i in overrides) if is_older_layout_key(k)]
-    kept = command_line + keys_set_at_new_places([read_yaml_file(f) for f in overlay_files], older_on_command_line)
+    files = merged_files or [read_yaml_file(f) for f in overlay_files]
+    kept = command_line + keys_set_at_new_places(files, older_on_command_line)
     return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=kept)
 
 

@@ -479,10 +479,11 @@ def _leaf_keys(node: Any, prefix: str) -> Iterator[str]:
 
 
 def keys_set_at_new_places(trees: Iterable[Any], later_keys: Iterable[str] = ()) -> List[str]:
-    """The keys that ``+config/<group>=<name>`` files (``trees``, in merge order) set at a place
-    the older layout moves values to (``config.MODEL.TRUNK.RESNETS.DEPTH``): merged after the
-    experiment, they win over its older layout (``TRUNK_PARAMS.RESNETS.DEPTH``), as a later file
-    wins in VISSL. A later file, or a command-line key (``later_keys``), that sets the same
+    """The keys that the yaml files (``trees``, in hydra's merge order: an experiment's
+    ``defaults:`` entries, its body, ``+config/<group>=<name>`` files) set at a place the older
+    layout moves values to (``config.MODEL.TRUNK.RESNETS.DEPTH``) after any file that set the
+    same option in the older layout (``TRUNK_PARAMS.RESNETS.DEPTH``): they win over it, as a later
+    file wins in VISSL. A later file, or a command-line key (``later_keys``), that sets the same
     option in the older layout wins over them."""
     kept: Dict[str, None] = {}
 
@@ -573,8 +574,9 @@ def validate(
     """Check a composed root dict against the defaults; return the config node as an AttrDict.
 
     ``command_line`` lists the keys given as overrides (``config.HOOKS.PERF_STATS.X``), and
-    those a ``+config/<group>`` file sets at their 0.1.6 place (:func:`keys_set_at_new_places`):
-    their values win over what the experiment file's older layout moves onto the same place.
+    those a yaml file sets at their 0.1.6 place after a file with the older layout
+    (:func:`keys_set_at_new_places`): their values win over what the older layout moves onto
+    the same place.
     """
     given = _values_at(root, command_line)
     _upgrade_older_layout(root)

@@ -962,6 +962,39 @@ def test_every_problem_of_a_file_is_named_at_once(tmp_path):
     assert "config.LOG_FREQUENCY='ten' has the wrong type" in msg
 
 
+def test_a_wrong_key_or_value_names_the_file_of_the_defaults_chain_that_set_it(tmp_path, monkeypatch):
+    """A typo or a wrong type in a file that the experiment inherits through its defaults list
+    was reported without a file: the line names the file that set the key last (the user's own
+    file by the path given); a key set on the command line names no file."""
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))
+    user = tmp_path / "config" / "user"
+    user.mkdir(parents=True)
+    base = write_yaml(user, "base.yaml", """\
+        # @package _global_
+        defaults:
+          - /config/quick/simclr_synthetic
+          - _self_
+        config:
+          DATA:
+            TRAIN:
+              BATCHSIZE_PER_REPLCIA: 8
+          OPTIMIZER:
+            num_epochs: two
+        """)
+    child = write_yaml(tmp_path, "child.yaml", "# @package _global_\ndefaults:\n  - /config/user/base\n  - _self_\n"
+                                                "config:\n  LOG_FREQUENCY: ten\n")
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={child}"])
+    msg = str(e.value)
+    assert ("unknown config key config.DATA.TRAIN.BATCHSIZE_PER_REPLCIA (closest: "
+            f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA), set in {base} (a key of a yaml file") in msg, msg
+    assert f"config.OPTIMIZER.num_epochs='two' has the wrong type: expected int, got string, set in {base}" in msg, msg
+    assert f"config.LOG_FREQUENCY='ten' has the wrong type: expected int, got string, set in {child}" in msg, msg
+    with pytest.raises(ConfigError) as e:
+        compose(["config=quick/simclr_synthetic", "config.OPTIMIZER.num_epochs=two"])
+    assert "set in" not in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("override", [
     "config.MODEL.TRUNK.RESNETS.LAYER4_STRIDE=1", "config.DATA.TRAIN.DATA_LIMIT_SAMPLING.SKIP_NUM_SAMPLES=4",
     "config.DATA.TRAIN.DATA_LIMIT_SAMPLING.IS_BALANCED=true", "config.DATA.TRAIN.MMAP_MODE=false",

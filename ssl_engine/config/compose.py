@@ -466,8 +466,8 @@ def _with_search_path(overrides: List[str], search_dirs: Iterable[Path]) -> List
     return [f"hydra.searchpath=[{paths}]"] + overrides
 
 
-def _merged_files(overrides: List[str], search_dirs: Iterable[Path]) -> List[Any]:
-    """The content of each yaml file that composing ``overrides`` merges, in hydra's merge order
+def _merged_files(overrides: List[str], search_dirs: Iterable[Path]) -> List[Tuple[str, Any]]:
+    """(path, content) of each yaml file that composing ``overrides`` merges, in hydra's merge order
     (an experiment's ``defaults:`` entries, its own body at ``_self_``, then ``+config/<group>``
     files), each placed at its package; the engine's defaults.yaml and hydra's own files left out.
     Empty where hydra's loader cannot say (the caller then knows only the ``+config`` files' order).
@@ -487,8 +487,14 @@ def _merged_files(overrides: List[str], search_dirs: Iterable[Path]) -> List[Any
                 "defaults", _with_search_path(overrides, search_dirs))
             merged = create_defaults_list(repo=repo, config_name="defaults", overrides_list=parsed,
                                           prepend_hydra=False, skip_missing=False)
-            return [OmegaConf.to_container(loader._load_single_config(d, repo).config)
-                    for d in merged.defaults if not d.primary and not (d.config_path or "").startswith("hydra/")]
+            files = []
+            for d in merged.defaults:
+                if d.primary or (d.config_path or "").startswith("hydra/"):
+                    continue
+                loaded = loader._load_single_config(d, repo)
+                source = re.sub(r"^file://", "", str(loaded.path))
+                files.append((os.path.join(source, f"{d.config_path}.yaml"), OmegaConf.to_container(loaded.config)))
+            return files
     except Exception:  # noqa: BLE001 - hydra's internals differ: fall back to what the caller knows
         log.debug("cannot list the merged yaml files in order", exc_info=True)
         return []
@@ -620,7 +626,6 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 key = f"++{key}"
             hydra_overrides.append(f"{key}={value}")
         user_file = None
-        merged_files: List[Any] = []  # every yaml file hydra merged, in merge order
         if experiment is not None:
             option, extra_dirs, experiment_file = _resolve_experiment(experiment, Path(tmpdir))
             added_keys += declared_added_keys(experiment_file)
@@ -632,16 +637,55 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if command_line and (str(e).startswith("unknown config key") or _names_a_list_entry(str(e))):
                 _explain_override_into_a_value(hydra_overrides, command_line, extra_dirs, user_file)
             raise
+        merged = _MergedFiles(hydra_overrides, extra_dirs + config_search_dirs(), user_file, Path(tmpdir))
+        root.pop("hydra", None)
+        _read_legacy_extract_switch(root, engine_on_command_line="engine_name" in command_line)
+        if not isinstance(root.get("config"), dict):
+            raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
+        older_on_command_line = [k for k in (_split_override(i)[0].lstrip("+") for i in overrides)
+                                 if is_older_layout_key(k)]
+        kept = command_line
         if any(is_older_layout_key(k) for k in flatten_keys(root)):  # which file set what last decides
-            merged_files = _merged_files(hydra_overrides, extra_dirs + config_search_dirs())
-    root.pop("hydra", None)
-    _read_legacy_extract_switch(root, engine_on_command_line="engine_name" in command_line)
-    if not isinstance(root.get("config"), dict):
-        raise ConfigError("the composed config has no 'config:' node; experiment files put options under 'config:'")
-    older_on_command_line = [k for k in (_split_override(i)[0].lstrip("+") for i in overrides) if is_older_layout_key(k)]
-    files = merged_files or [read_yaml_file(f) for f in overlay_files]
-    kept = command_line + keys_set_at_new_places(files, older_on_command_line)
-    return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=kept)
+            files = merged.contents() or [read_yaml_file(f) for f in overlay_files]
+            kept = command_line + keys_set_at_new_places(files, older_on_command_line)
+        set_here = {k.lstrip("+~") for k in command_line}
+        return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=kept,
+                        where=lambda key: None if key in set_here else merged.setting(key))
+
+
+class _MergedFiles:
+    """The yaml files a compose merged, listed on first use (see :func:`_merged_files`): which
+    file set an older-layout key last, and which set a key that is wrong (named in the error)."""
+
+    def __init__(self, overrides: List[str], search_dirs: List[Path], user_file: Optional[str], tmp: Path) -> None:
+        self._args = (overrides, search_dirs)
+        self._user_file = user_file
+        self._tmp = tmp
+        self._files: Optional[List[Tuple[str, Any]]] = None
+
+    def _list(self) -> List[Tuple[str, Any]]:
+        if self._files is None:
+            self._files = _merged_files(*self._args)
+        return self._files
+
+    def contents(self) -> List[Any]:
+        return [content for _, content in self._list()]
+
+    def setting(self, key: str) -> Optional[str]:
+        """The last merged file that sets the dotted ``key`` (the user's own file by the path given)."""
+        parts = key.split(".")
+        for path, content in reversed(self._list()):
+            node = content
+            for part in parts:
+                node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+            if node is not _MISSING:
+                if self._user_file and Path(path).resolve().is_relative_to(self._tmp.resolve()):
+                    return self._user_file
+                return path
+        return None
+
+
+_MISSING = object()
 
 
 def _explain_override_into_a_value(hydra_overrides: List[str], command_line: List[str], extra_dirs: List[Path],

@@ -242,6 +242,7 @@ class _Walker:
         self.compat = compat
         self.unknown: List[str] = []
         self.wrong: List[str] = []  # type errors, reported together with the unknown keys
+        self.wrong_keys: List[str] = []  # their keys
         self.compat_set: List[str] = []
 
     def is_compat(self, kpath: str) -> bool:
@@ -291,6 +292,7 @@ class _Walker:
             except ConfigError as e:
                 if not compat:
                     self.wrong.append(str(e))
+                    self.wrong_keys.append(kpath)
                 out[key] = value  # [compat]: not acted on, so any value a VISSL config holds is kept as written
             if compat and out[key] != dval:
                 self.compat_set.append(kpath)
@@ -570,13 +572,15 @@ def validate(
     added_keys: Iterable[str] = (),
     warn_unused: bool = True,
     command_line: Iterable[str] = (),
+    where: Optional[Callable[[str], Optional[str]]] = None,
 ) -> AttrDict:
     """Check a composed root dict against the defaults; return the config node as an AttrDict.
 
     ``command_line`` lists the keys given as overrides (``config.HOOKS.PERF_STATS.X``), and
     those a yaml file sets at their 0.1.6 place after a file with the older layout
     (:func:`keys_set_at_new_places`): their values win over what the older layout moves onto
-    the same place.
+    the same place. ``where(key)``, when given, names the yaml file that set ``key``: an unknown
+    key or a value of the wrong type is reported with it.
     """
     given = _values_at(root, command_line)
     _upgrade_older_layout(root)
@@ -591,7 +595,13 @@ def validate(
     merged = walker.walk(root, defaults, "")
     if walker.unknown or walker.wrong:  # every problem of the file at once, not one per attempt
         known = flatten_keys(defaults)
-        problems = [unknown_key_message(k, known, added_hint=False) for k in walker.unknown] + walker.wrong
+
+        def in_file(key: str) -> str:
+            found = where(key) if where is not None else None
+            return f", set in {found}" if found else ""
+
+        problems = ([unknown_key_message(k, known, added_hint=False) + in_file(k) for k in walker.unknown]
+                    + [w + in_file(k) for w, k in zip(walker.wrong, walker.wrong_keys)])
         if walker.unknown and not any(k.startswith("config.config.") for k in walker.unknown):
             many = len(walker.unknown) > 1
             problems[len(walker.unknown) - 1] += (

@@ -3,6 +3,7 @@ the closest names, types, ranges, `+key` additions, config=/abs/path.yaml, [comp
 and the one-line messages the command-line tool prints."""
 
 import logging
+import re
 import textwrap
 from pathlib import Path
 
@@ -367,10 +368,18 @@ def test_values_are_never_evaluated(tmp_path):
         ("config.MODEL.HEAD.PARAMS=[[mlp,", "override 'config.MODEL.HEAD.PARAMS=[[mlp,' cannot be parsed"),
         ("config x=1", "has an invalid key"),
         ("=3", "has an invalid key"),
+        # VISSL's group overlay without its '+'
+        ("config/pretrain/swav/models=resnet18", "override 'config/pretrain/swav/models=resnet18' names a config group "
+         "file without its '+': write +config/pretrain/swav/models=resnet18"),
+        # json-style quoted mapping keys: hydra takes them unquoted (it was blamed on shell quoting)
+        ('config.MODEL.HEAD.PARAMS=[["mlp",{"dims":[512,10]}]]', "cannot be parsed: hydra takes the keys of a mapping "
+         'unquoted ({dims: ...}, not {"dims": ...})'),
+        ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,10], 'use_bn': true}]]", "hydra takes the keys of a mapping "
+         "unquoted ({use_bn: ...}, not {'use_bn': ...})"),
     ],
 )
 def test_overrides_that_are_not_key_value(override, expected):
-    with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
         compose([QUICK, override])
 
 

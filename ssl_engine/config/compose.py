@@ -141,6 +141,11 @@ def _split_override(item: str) -> Tuple[str, str]:
     key = key.strip()
     if re.fullmatch(r"\+config(/[\w.\-]+)+", key):
         return key, value  # VISSL's overlay of a config group file: +config/<group path>=<file>
+    if re.fullmatch(r"config(/[\w.\-]+)+", key):
+        raise ConfigError(
+            f"override {item!r} names a config group file without its '+': write +{item} (as VISSL's "
+            f"commands do) to merge {key}/{value.strip()}.yaml over the experiment"
+        )
     if not key or not re.fullmatch(r"[+~]{0,2}[A-Za-z_][\w.\-\[\]]*", key):
         raise ConfigError(
             f"override {item!r} has an invalid key {key!r}: use config.SECTION.KEY=value (or +config.NEW_KEY=value)"
@@ -163,6 +168,13 @@ def _check_override_grammar(item: str) -> None:
     except Exception as e:  # hydra raises HydraException; anything else is as much the override's fault
         why = " ".join(str(e).split()) or type(e).__name__
         key, _, value = item.partition("=")
+        quoted_key = re.search(r"""[{,]\s*(["'])([^"']*)\1\s*:""", value)
+        if quoted_key:  # hydra's grammar takes mapping keys unquoted only
+            raise ConfigError(
+                f"override {item!r} cannot be parsed: hydra takes the keys of a mapping unquoted "
+                f"({{{quoted_key.group(2)}: ...}}, not {{{quoted_key.group(1)}{quoted_key.group(2)}{quoted_key.group(1)}: ...}}), "
+                f"e.g. 'config.MODEL.HEAD.PARAMS=[[mlp,{{dims:[512,10]}}]]'"
+            ) from None
         if value.startswith("~"):  # hydra's grammar reads ~ only as the delete prefix of a key
             raise ConfigError(
                 f"override {item!r} cannot be parsed: hydra does not take a value that starts with ~ unquoted; "

@@ -579,6 +579,27 @@ def final_checkpoint(folder: Path) -> Optional[Path]:
     return finals[0] if finals else None
 
 
+def repoint_to_final(folder: Path, final: Path) -> bool:
+    """Point checkpoint.torch at ``final`` (a finished run's final checkpoint) when a kill
+    between that file's rename and the pointer swap left the pointer on an earlier file (or
+    without a file): the folder's pointer then names the end of the run again, as the files that
+    read it expect (``PARAMS_FILE=<folder>/checkpoint.torch``). Whether it changed. Rank 0,
+    holding the folder's lock."""
+    folder, final = Path(folder), Path(final)
+    pointer = folder / POINTER
+    try:
+        target: Optional[Path] = pointer.resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, dangling, or a loop of links
+        target = None
+    if target == final.resolve() or (target is not None and _ahead_of_pointer(target, [final]) is None):
+        return False
+    point_to(folder, final.name)
+    log.warning("%s pointed to %s, but the run's final checkpoint %s was written after it (the run was stopped "
+                "between the two): it points to %s now", POINTER, target.name if target else "no file", final.name,
+                final.name)
+    return True
+
+
 # a run's own files besides its checkpoints (log.txt stays: the new run already appends to it)
 _RUN_FILES = ("model_best.torch", "metrics.json", "stdout.json", "train_config.yaml", "tb_logs")
 PREVIOUS_RUN_PREFIX = "previous_run."

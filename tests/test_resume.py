@@ -446,6 +446,29 @@ def test_finished_run_is_not_retrained(setup, reference, tmp_path):
     assert not changed, changed
 
 
+@pytest.mark.parametrize("pointer", ["earlier", "missing"])
+def test_a_finished_run_killed_before_its_pointer_swap_gets_its_pointer_back(setup, reference, tmp_path, pointer):
+    """A kill between the final checkpoint's rename and the pointer swap left checkpoint.torch on
+    an earlier file (or none) for good: the rerun, which finds the run finished, points it at
+    the final checkpoint (what PARAMS_FILE=<folder>/checkpoint.torch is meant to load)."""
+    root, cfg = setup
+    folder = tmp_path / "finished"
+    shutil.copytree(reference[0], folder, symlinks=True)
+    final = f"model_final_checkpoint_phase{EPOCHS - 1}.torch"
+    assert os.readlink(folder / "checkpoint.torch") == final
+    (folder / "checkpoint.torch").unlink()
+    if pointer == "earlier":
+        earlier = sorted(p.name for p in folder.glob("model_iteration*.torch"))[-1]
+        (folder / "checkpoint.torch").symlink_to(earlier)
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "has finished" in out and f"but the run's final checkpoint {final} was written after it" in out, out[-2000:]
+    assert os.readlink(folder / "checkpoint.torch") == final
+    r = run(cfg, folder)  # and it stays as it is
+    assert r.returncode == 0 and "was written after it" not in r.stdout + r.stderr
+
+
 def test_test_only_refuses_to_continue_a_training_folder(setup, reference, tmp_path):
     """TEST_ONLY builds one test phase: resuming a training's mid-phase checkpoint into it failed
     with a KeyError traceback, a phase-end one ran nothing, a finished one said "finished"."""

@@ -13,6 +13,7 @@ from ssl_engine.checkpoint import (
     is_engine_checkpoint,
     load_checkpoint,
     newest_good_checkpoint,
+    repoint_to_final,
     resume_from_file,
     finish_set_aside,
     set_aside_previous_run,
@@ -132,6 +133,8 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
     finished = final_checkpoint(folder)
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
         _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))
+        if du.is_primary():
+            repoint_to_final(folder, finished)
         log.info(_finished_message(folder, finished.name, cfg))
         return None
     resume = resume_checkpoint(cfg)

@@ -204,6 +204,12 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
     ``__main__``), not a caller that goes on afterwards: composing may then overlap importing
     torch, and a config mistake may end the process directly (see prepare_config)."""
     code = RUN_FAILED_EXIT_CODE  # an exception out of the command (a bug) ends the process with 1
+    if tool_process:
+        import atexit
+
+        # registered before torch and multiprocessing register theirs, so it runs after them (atexit
+        # runs the last registered first): the last Python code of the process
+        atexit.register(_ignore_ctrl_c_from_now)
     try:
         code = _run_command(argv, body, tool_process)
         return code
@@ -289,6 +295,19 @@ def _exit_at_once_on_ctrl_c(code: int) -> None:
         os._exit(code)
 
     signal.signal(signal.SIGINT, leave)
+
+
+def _ignore_ctrl_c_from_now() -> None:
+    """After the last atexit function, Python's shutdown puts SIGINT back to its default action
+    (no Python code can run any more), so a Ctrl-C in the process's last milliseconds would end
+    it as killed by SIGINT (exit status 130) although the command had finished with its own code.
+    Ignoring SIGINT from here on keeps that code; Python leaves an ignored signal ignored."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except (ValueError, OSError):  # not the main thread, or no signals here
+        pass
 
 
 def _raised_while_interrupted(error: BaseException) -> bool:

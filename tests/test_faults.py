@@ -747,6 +747,28 @@ def test_ctrl_c_during_the_shutdown_after_the_command_ended_keeps_its_exit_code_
     assert (tmp_path / "run" / "model_final_checkpoint_phase0.torch").is_file()
 
 
+def test_sigint_is_ignored_after_the_atexit_functions_registered_while_the_command_ran():
+    """After the last atexit function Python puts SIGINT back to its default action, and a Ctrl-C
+    in the process's last milliseconds ended a finished run as killed by SIGINT (130 in a shell).
+    The tool ignores SIGINT from its own atexit function on, which runs after those that torch,
+    multiprocessing or a user module register once the command has started (atexit runs the last
+    registered first); during those, a Ctrl-C still ends the process at once with its exit code."""
+    code = textwrap.dedent("""\
+        import atexit, signal, sys
+        seen = {}
+        atexit.register(lambda: print("after the tool's own:", seen["during"], signal.getsignal(signal.SIGINT) is signal.SIG_IGN))
+        from ssl_engine import cli
+        def body(cfg, node_id):
+            atexit.register(lambda: seen.update(during=callable(signal.getsignal(signal.SIGINT))))  # as torch's
+            return 0
+        cli.prepare_config = lambda overrides, tool_process: None
+        sys.exit(cli.run_command([], body, tool_process=True))
+        """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "after the tool's own: True True", r.stdout
+
+
 @pytest.mark.parametrize("pid", [10**20, -1, 0])
 def test_a_lock_with_a_pid_no_process_can_have_is_garbled_not_a_live_owner(tmp_path, pid):
     """A hand-edited lock: pid 10**20 was an OverflowError traceback, -1 (os.kill(-1, 0) succeeds) a

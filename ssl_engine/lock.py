@@ -305,4 +305,26 @@ def held_by_rank0(folder: Any, name: str = LOCK_NAME) -> Iterator[bool]:
         yield ok
     finally:
         if lock is not None:
-            lock.release()
+            with _ctrl_c_held_back():
+                lock.release()
+
+
+@contextlib.contextmanager
+def _ctrl_c_held_back() -> Iterator[None]:
+    """A Ctrl-C during the block is raised after it, not inside: a run stopped at its very end
+    still removes its lock (an interrupt between reading the lock and unlinking it left it
+    behind). Only the main thread can change the handler; elsewhere the block runs as it is."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, caught[0])  # the interrupt, now that the block is done

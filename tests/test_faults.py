@@ -769,6 +769,32 @@ def test_sigint_is_ignored_after_the_atexit_functions_registered_while_the_comma
     assert r.stdout.strip().splitlines()[-1] == "after the tool's own: True True", r.stdout
 
 
+def test_a_ctrl_c_while_the_run_releases_its_lock_still_removes_it(tmp_path, monkeypatch):
+    """A Ctrl-C at the very end of a run, between reading the lock and unlinking it, left
+    train.lock behind: it is raised once the lock is removed."""
+    import signal
+
+    from ssl_engine import lock as lock_module
+
+    real_read = lock_module._read
+
+    def read_then_ctrl_c(path):
+        raw = real_read(path)
+        os.kill(os.getpid(), signal.SIGINT)
+        return raw
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with lock_module.held_by_rank0(tmp_path):
+                assert (tmp_path / LOCK_NAME).is_file()
+                monkeypatch.setattr(lock_module, "_read", read_then_ctrl_c)
+        assert not (tmp_path / LOCK_NAME).exists()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("pid", [10**20, -1, 0])
 def test_a_lock_with_a_pid_no_process_can_have_is_garbled_not_a_live_owner(tmp_path, pid):
     """A hand-edited lock: pid 10**20 was an OverflowError traceback, -1 (os.kill(-1, 0) succeeds) a

@@ -404,6 +404,10 @@ def test_filelist_truncated_or_foreign_npy_says_what_is_wrong(tmp_path: Any, mma
     np.save(lst, np.array([object(), 1], dtype=object), allow_pickle=True)
     with pytest.raises(UserError, match=r"holds Python objects, which load only with pickle"):
         build_dataset(cfg, "TRAIN")
+    with open(lst, "wb") as f:  # np.savez under a .npy name: np.load gives an archive, not an array
+        np.savez(f, paths=np.array([str(tmp_path / "a.png")]))
+    with pytest.raises(UserError, match=r"files\.npy' is a \.npz archive of arrays \(np\.savez\), not one \.npy array"):
+        build_dataset(cfg, "TRAIN")
 
 
 @pytest.mark.parametrize("mmap", [True, False])

@@ -374,10 +374,16 @@ _SAVE_PLAIN = "save it as a plain array, e.g. np.save(path, np.array(entries, dt
 def _load_npy(path: str, key: str, mmap: bool) -> np.ndarray:
     """``np.load`` of a list file without pickle; a UserError saying what is wrong with the file."""
     try:
-        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        loaded = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (ValueError, EOFError, OSError) as exc:
         problem = npy_problem(path) or f"cannot be loaded without pickle ({exc}); {_SAVE_PLAIN}"
         raise UserError(f"{key}: {path!r} {problem}") from exc
+    if not isinstance(loaded, np.ndarray):  # np.load opens a .npz archive whatever the file's name
+        close = getattr(loaded, "close", None)
+        if close is not None:
+            close()
+        raise UserError(f"{key}: {path!r} {npy_problem(path) or 'is not one .npy array; ' + _SAVE_PLAIN}")
+    return loaded
 
 
 def npy_problem(path: str) -> str:
@@ -389,6 +395,8 @@ def npy_problem(path: str) -> str:
         start = f.read(6)
         if start[:1] == b"\x80":
             return f"holds pickled Python data, which is never loaded (it could run code); {_SAVE_PLAIN}"
+        if start[:4] == b"PK\x03\x04":
+            return f"is a .npz archive of arrays (np.savez), not one .npy array; {_SAVE_PLAIN}"
         if start != b"\x93NUMPY":
             return "is not a .npy file (no NumPy header); write it with np.save, or use a .txt list, one per line"
         f.seek(0)

@@ -10,7 +10,7 @@ features plus one [chunk_size, N_train] similarity block, whatever the test set'
 
 import logging
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -70,6 +70,21 @@ def align_test_labels(
     )
 
 
+def check_settings(topk: Any, sigma: Any, topk_list: Any, chunk_size: Any) -> None:
+    """The kNN options (config.NEAREST_NEIGHBOR.*, checked before launch with the rest of the
+    config; here for callers of :func:`knn_accuracy`): a UserError naming the first out of range."""
+    key = "config.NEAREST_NEIGHBOR"
+    for name, value in (("TOPK", topk), ("TEST_CHUNK_SIZE", chunk_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{key}.{name}={value!r} must be an integer >= 1")
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0 or sigma == float("inf"):
+        raise UserError(f"{key}.SIGMA={sigma!r} must be a number > 0 (the vote temperature, e.g. 0.1)")
+    ks = list(topk_list) if isinstance(topk_list, (list, tuple)) else None
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise UserError(f"{key}.TOPK_LIST={topk_list!r} must list the k of each top-k accuracy to report, each an "
+                        f"integer >= 1, e.g. [1, 5]")
+
+
 def knn_accuracy(
     train_features: np.ndarray,
     train_labels: np.ndarray,
@@ -107,8 +122,7 @@ def knn_accuracy(
         raise UserError("kNN: the train features have no labels (negative targets); extract with LABEL_SOURCES set")
     _check_finite("train", train_rows, chunk_size)
     _check_finite("test", test, chunk_size)
-    if topk < 1 or sigma <= 0 or chunk_size < 1:
-        raise UserError(f"kNN: TOPK={topk} and TEST_CHUNK_SIZE={chunk_size} must be >= 1, SIGMA={sigma} > 0")
+    check_settings(topk, sigma, topk_list, chunk_size)
     classes = int(num_classes) if num_classes else int(max(int(ytrain.max()), int(ytest.max())) + 1)
     k = min(int(topk), len(train))
     ks = sorted({int(x) for x in topk_list})

@@ -418,6 +418,38 @@ def test_knn_tool_reports_a_bad_features_path_in_one_line(tmp_path: Path, capsys
                                  f"leave it empty to extract first"]
 
 
+@pytest.mark.parametrize("override, says", [
+    ("config.NEAREST_NEIGHBOR.TOPK_LIST=[]", "config.NEAREST_NEIGHBOR.TOPK_LIST=[] is out of range: expected a list of one "
+     "or more integers > 0"),
+    ("config.NEAREST_NEIGHBOR.TOPK_LIST=[1,-5]", "config.NEAREST_NEIGHBOR.TOPK_LIST=[1, -5] is out of range"),
+    ("config.NEAREST_NEIGHBOR.TOPK=0", "config.NEAREST_NEIGHBOR.TOPK=0 is out of range: expected an integer > 0"),
+    ("config.NEAREST_NEIGHBOR.TEST_CHUNK_SIZE=0", "config.NEAREST_NEIGHBOR.TEST_CHUNK_SIZE=0 is out of range"),
+])
+def test_knn_settings_out_of_range_are_one_line_before_any_extraction(tmp_path: Path, capsys, override, says) -> None:
+    """An empty or negative TOPK_LIST was a ValueError / RuntimeError traceback out of the vote,
+    after the whole extraction had run: each option is checked first, in one line."""
+    spec = importlib.util.spec_from_file_location("nearest_neighbor_test", NN_TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "features"
+    code = mod.main(["config=extract/simclr_digits_trunk", f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", override])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {says}"), err
+    assert not out.exists()  # nothing was extracted
+
+
+def test_knn_accuracy_refuses_settings_out_of_range_in_one_line() -> None:
+    """The same checks for a caller of the function (an empty top-k list was a ValueError of max())."""
+    from ssl_engine.knn import knn_accuracy
+
+    x, y = np.eye(4, dtype=np.float32), np.arange(4)
+    for kwargs, says in [({"topk_list": []}, "TOPK_LIST=[] must list"), ({"topk_list": [0]}, "TOPK_LIST=[0] must list"),
+                         ({"topk": 0}, "TOPK=0 must be an integer >= 1"), ({"sigma": 0.0}, "SIGMA=0.0 must be a number > 0"),
+                         ({"chunk_size": 0}, "TEST_CHUNK_SIZE=0 must be an integer >= 1")]:
+        with pytest.raises(UserError, match=re.escape(says)):
+            knn_accuracy(x, y, x, y, **kwargs)
+
+
 def test_weights_init_file_gives_the_checkpoint_folders_features(pretrained: Path, one_rank, tmp_path: Path) -> None:
     fresh = tmp_path / "fresh"
     tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={fresh}", "config.EXTRACT_FEATURES.SPLITS=[TEST]",

@@ -338,6 +338,9 @@ _RANGES = [
     ("EXTRACT_FEATURES.CHUNK_THRESHOLD", lambda v: v >= 0, "an integer >= 0 (0 = default)"),
     ("NEAREST_NEIGHBOR.TOPK", lambda v: v > 0, "an integer > 0"),
     ("NEAREST_NEIGHBOR.SIGMA", lambda v: v > 0, "a number > 0"),
+    ("NEAREST_NEIGHBOR.TEST_CHUNK_SIZE", lambda v: v > 0, "an integer > 0"),
+    ("NEAREST_NEIGHBOR.TOPK_LIST", lambda v: len(v) > 0 and all(type(k) is int and k > 0 for k in v),
+     "a list of one or more integers > 0 (the k of each top-k accuracy, e.g. [1, 5])"),
     ("SEED_VALUE", lambda v: 0 <= v < 2**62, "an integer in [0, 2**62)"),
     ("CHECKPOINT.DIR", lambda v: v.strip() != "", "a folder path (not empty)"),
 ]

@@ -68,6 +68,14 @@ class SelfSupervisionTrainer:
                 task.set_classy_state(state)
             except CheckpointError as e:
                 raise CheckpointError(f"cannot resume from {self.checkpoint_path}: {e}") from None
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+                # a part of the state (loss, meters, hooks, RNG) that is not what this run saves:
+                # the file was changed since it was written, or another program wrote it
+                raise CheckpointError(
+                    f"cannot resume from {self.checkpoint_path}: its training state does not fit this run "
+                    f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); it was changed since it was written "
+                    f"or comes from another program; to start from its weights use config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+                ) from None
             log.info("resumed from %s at phase %d, iteration %d", self.checkpoint_path, task.phase_idx, task.iteration)
         else:
             task.init_weights()

@@ -501,6 +501,22 @@ def test_a_checkpoint_of_another_model_is_one_line(interrupted_run, tmp_path):
     assert "model_phase0.torch" in line and "do not fit this model" in line and "CHECKPOINT.DIR" in line, line
 
 
+@pytest.mark.parametrize("part, value", [("rng", {"not": "a list"}), ("loss", [1, 2])])
+def test_a_checkpoint_whose_training_state_was_changed_is_one_line(interrupted_run, tmp_path, part, value):
+    """A checkpoint re-saved with a part of its state replaced (the RNG states, the loss's state)
+    was a KeyError / TypeError traceback on resume: one line naming the file and the way on."""
+    run = _copy_run(interrupted_run, tmp_path / "run")
+    path = run / "model_phase0.torch"
+    data = torch.load(str(path), map_location="cpu", weights_only=True)
+    data["classy_state_dict"][part] = value
+    torch.save(data, str(path))
+    proc = _resume(run)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = one_error_line(proc)
+    assert line.startswith(f"error: cannot resume from {path}: its training state does not fit this run (") and \
+        "config.MODEL.WEIGHTS_INIT.PARAMS_FILE" in line, line
+
+
 def test_metrics_json_that_is_a_folder_is_one_line(interrupted_run, tmp_path):
     run = _copy_run(interrupted_run, tmp_path / "run")
     (run / "metrics.json").unlink()

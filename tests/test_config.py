@@ -954,6 +954,28 @@ def test_a_file_that_inherits_a_vissl_experiment_wins_over_its_older_layout(tmp_
     assert compose([f"config={path}"]).MODEL.TRUNK.RESNETS.DEPTH == 101
 
 
+def test_alias_bombs_recursive_aliases_and_deep_nesting_are_one_line(tmp_path):
+    """A yaml 'billion laughs' file ran composing out of memory (a MemoryError traceback); an alias
+    inside its own anchor and nesting deeper than the parser's recursion were tracebacks too."""
+    laughs = "".join(f"  {chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(9))
+    bomb = write_yaml(tmp_path, "bomb.yaml", "# @package _global_\nconfig:\n  a: &a [lol, lol, lol, lol, lol, lol, lol, "
+                                             "lol, lol]\n" + laughs)
+    with pytest.raises(ConfigError, match=re.escape(f"config file {bomb}: its anchors and aliases (&name / *name) expand "
+                                                    f"to more than 1,000,000 values")):
+        compose([f"config={bomb}"])
+    itself = write_yaml(tmp_path, "itself.yaml", "# @package _global_\nconfig:\n  A: &x [*x]\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {itself}: an alias (*name) stands inside its own anchor")):
+        compose([f"config={itself}"])
+    deep = write_yaml(tmp_path, "deep.yaml", "# @package _global_\nconfig:\n  X: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {deep} nests its lists or mappings too deeply")):
+        compose([f"config={deep}"])
+    # anchors used as VISSL files use them (a few shared values) still compose
+    shared = write_yaml(tmp_path, "shared.yaml", "# @package _global_\nconfig:\n  DATA:\n    TRAIN:\n      DATA_PATHS: &p "
+                                                 "[/data/a]\n    TEST:\n      DATA_PATHS: *p\n")
+    cfg = compose([f"config={shared}"])
+    assert cfg.DATA.TRAIN.DATA_PATHS == cfg.DATA.TEST.DATA_PATHS == ["/data/a"]
+
+
 def test_every_problem_of_a_file_is_named_at_once(tmp_path):
     path = write_yaml(tmp_path, "three_mistakes.yaml", """\
         # @package _global_

@@ -237,7 +237,9 @@ def read_yaml_file(path: Path) -> Any:
     """
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=_StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
+            data = yaml.load(f, Loader=_StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests its lists or mappings too deeply to be read") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -248,6 +250,40 @@ def read_yaml_file(path: Path) -> Any:
         raise ConfigError(f"config file {path} is not utf-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        too_big = _expanded_size(data, {}) > _MAX_EXPANDED_VALUES
+    except _HoldsItself:
+        raise ConfigError(f"config file {path}: an alias (*name) stands inside its own anchor (&name), so a list or "
+                          f"mapping holds itself without end; write the values out") from None
+    if too_big:
+        raise ConfigError(f"config file {path}: its anchors and aliases (&name / *name) expand to more than "
+                          f"{_MAX_EXPANDED_VALUES:,} values, which composing would copy one by one; write the values out")
+    return data
+
+
+# a config holds hundreds of values; a file whose aliases expand past this is an alias bomb
+_MAX_EXPANDED_VALUES = 1_000_000
+
+
+class _HoldsItself(Exception):
+    """A yaml alias inside its own anchor: a container that holds itself."""
+
+
+def _expanded_size(value: Any, sizes: Dict[int, int]) -> int:
+    """The number of values ``value`` holds once every alias is copied out (an alias of the yaml
+    file is the same python object as its anchor: each is counted once, then by reference)."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    known = sizes.get(id(value))
+    if known == 0:
+        raise _HoldsItself
+    if known is not None:
+        return known
+    sizes[id(value)] = 0  # being counted: meeting it again inside itself is a recursive alias
+    items = list(value.keys()) + list(value.values()) if isinstance(value, dict) else value
+    total = 1 + sum(_expanded_size(item, sizes) for item in items)
+    sizes[id(value)] = total
+    return total
 
 
 _TOP_LEVEL = ("engine_name", "config", "defaults", "hydra", "extract_features")

@@ -295,6 +295,18 @@ def _filelist_cfg(tmp_path: Any, labels: Any = None, n: int = 4, **keys: Any) ->
     return make_cfg(**split_keys)
 
 
+@pytest.mark.parametrize("collator", ["default_collate", "simclr_collator"])
+def test_a_split_without_to_tensor_names_its_own_transforms_key(collator: str) -> None:
+    """The collators are shared by the splits and said config.DATA.<split>.TRANSFORMS literally:
+    the loader's collator names the split it batches."""
+    for split in ("TEST", "TRAIN"):
+        cfg = make_cfg(split=split, COLLATE_FUNCTION=collator,
+                       TRANSFORMS=[{"name": "ImgReplicatePil", "num_times": 2}] if collator == "simclr_collator" else [])
+        loader = build_dataloader(build_dataset(cfg, split), cfg, split, rank=0, world_size=1, device="cpu")
+        with pytest.raises(UserError, match=rf"not a tensor; end config\.DATA\.{split}\.TRANSFORMS with ToTensor"):
+            next(iter(loader))
+
+
 def test_filelist_integer_valued_float_labels_are_int_class_indices(tmp_path: Any) -> None:
     ds = build_dataset(_filelist_cfg(tmp_path, np.array([0.0, 3.0, 1.0, 2.0])), "TRAIN")
     labels = ds.get_labels()

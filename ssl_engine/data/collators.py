@@ -221,5 +221,22 @@ def build_collator(name: str, params: Optional[Dict[str, Any]] = None, split: st
             raise UserError(
                 f"config.DATA.{split}.COLLATE_FUNCTION_PARAMS {params!r} do not fit collator {name!r}: {exc}"
             ) from exc
-        return functools.partial(fn, **params)
-    return fn
+        fn = functools.partial(fn, **params)
+    return fn if split == "<split>" else _SplitCollator(fn, split)
+
+
+class _SplitCollator:
+    """A split's collator: its errors name that split's keys (``config.DATA.TEST.TRANSFORMS``)
+    where the collator, shared by the splits, can only write ``config.DATA.<split>``."""
+
+    def __init__(self, fn: Callable[[List[Dict[str, Any]]], Dict[str, Any]], split: str) -> None:
+        self.fn = fn
+        self.split = split
+
+    def __call__(self, batch: List[Dict[str, Any]]) -> Dict[str, Any]:
+        try:
+            return self.fn(batch)
+        except UserError as e:  # no cost until raised (python >= 3.11)
+            if "config.DATA.<split>." not in str(e):
+                raise
+            raise UserError(str(e).replace("config.DATA.<split>.", f"config.DATA.{self.split}.")) from None

@@ -277,7 +277,7 @@ def build_dataloader(
     collate_fn = build_collator(
         str(scfg.get("COLLATE_FUNCTION", "default_collate")), scfg.get("COLLATE_FUNCTION_PARAMS", {}) or {}, split
     )
-    if collate_fn is default_collate and callable(getattr(dataset, "reads_batches", None)):
+    if getattr(collate_fn, "fn", collate_fn) is default_collate and callable(getattr(dataset, "reads_batches", None)):
         dataset.collated_reads = dataset.reads_batches()  # whole batches from sources with get_batch
     num_workers = int(data.get("NUM_DATALOADER_WORKERS", 0))
     if num_workers < 0:

@@ -233,6 +233,21 @@ def test_disk_folder_symlink_loops_are_skipped_and_other_links_followed(tmp_path
     assert f"first {str(root / 'a' / 'loop')!r} -> {str(root)!r}" in warnings[0]
 
 
+def test_disk_folder_class_folders_that_are_one_folder_are_named_in_a_warning(tmp_path: Any, caplog: Any) -> None:
+    """A class folder that is a link to another class folder reads its images under both labels
+    (as ImageFolder does): a warning names the classes, which was silent."""
+    root = tmp_path / "imgs"
+    write_image_tree(str(root), {"a": 2, "b": 1})
+    os.symlink("a", root / "z")
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(root)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.sources"):
+        ds = build_dataset(cfg, "TRAIN")
+    assert ds.get_labels().tolist() == [0, 0, 1, 2, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["config.DATA.TRAIN.DATA_PATHS[0]: class folders 'a', 'z' are one folder (symlinks): its images "
+                        "are read once under each of these classes, as torchvision's ImageFolder reads them"], warnings
+
+
 def test_disk_folder_empty_class_folders_are_a_user_error(tmp_path: Any) -> None:
     """As in torchvision's ImageFolder: an empty class folder would still take a label id."""
     root = tmp_path / "imgs"

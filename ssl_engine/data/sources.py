@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, FrozenSet, List, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
@@ -282,6 +282,12 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
     skipped: List[str] = []
     paths: List[str] = []
     labels: List[int] = []
+    same: Dict[str, List[str]] = {}
+    for cls in classes:
+        same.setdefault(os.path.realpath(os.path.join(path, cls)), []).append(cls)
+    for names in (n for n in same.values() if len(n) > 1):
+        logger.warning("%s: class folders %s are one folder (symlinks): its images are read once under each of these "
+                       "classes, as torchvision's ImageFolder reads them", key, ", ".join(repr(n) for n in names))
     for label, cls in enumerate(classes):
         for root, names in _walk_images(os.path.join(path, cls), root_chain, skipped):
             paths.extend(os.path.join(root, name) for name in names)

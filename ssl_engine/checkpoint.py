@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ssl_engine.errors import CheckpointError, UserError, does_not_exist, folder_gone, is_url, url_error
+from ssl_engine.errors import CheckpointError, UserError, does_not_exist, first_few, folder_gone, is_url, url_error
 from ssl_engine.resume_state import state_problem
 
 log = logging.getLogger(__name__)
@@ -933,6 +933,19 @@ def heads_not_set(report: Dict[str, List[str]], model_cfg: Any) -> Optional[str]
         ": config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON loads the file's heads only with EVAL_TRUNK_AND_HEAD=true")
 
 
+def _refuse_non_finite(state: Dict[str, torch.Tensor], path: Path) -> None:
+    """Weights with NaN or infinite values (a file of a run that diverged) would train on NaN
+    losses or extract NaN features with a 'complete' status: a UserError naming the file."""
+    bad = [(k, int((~torch.isfinite(v)).sum())) for k, v in state.items()
+           if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise UserError(
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {sum(n for _, n in bad)} of its weights are NaN or "
+            f"infinite, in {len(bad)} tensor(s) ({first_few([k for k, _ in bad])}): the run that wrote it had "
+            f"diverged or the file was damaged; use an earlier checkpoint of that run"
+        )
+
+
 def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str, List[str]]:
     """Load MODEL.WEIGHTS_INIT.PARAMS_FILE into ``model``; return loaded/missing/unexpected names.
 
@@ -1005,6 +1018,7 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
                "not apply to it); set STATE_DICT_KEY_NAME to read another key of the file"
                if layout_mapped else "set REMOVE_PREFIX / APPEND_PREFIX / STATE_DICT_KEY_NAME")
         )
+    _refuse_non_finite(new_state, path)
     model.load_state_dict(new_state, strict=False)
     missing = [k for k in own if k not in new_state and not any(s in k for s in skip)]
     # heads missing from a pretrained trunk's file is the usual case (new heads); a trunk weight

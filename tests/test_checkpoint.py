@@ -220,6 +220,25 @@ def test_init_from_torchvision_state_dict_with_prefix_and_skip(tmp_path):
     assert any(k.startswith("heads.") for k in report["missing"])
 
 
+def test_init_from_weights_with_nan_or_inf_is_refused_naming_the_file(tmp_path):
+    """A file of a run that diverged (NaN weights) was loaded as good: extraction then wrote NaN
+    features with a 'complete' status. The weights the model would take are checked."""
+    tv = torchvision.models.resnet18()
+    state = tv.state_dict()
+    state["layer1.0.conv1.weight"][0, 0, 0, 0] = float("nan")
+    state["fc.weight"][:] = float("inf")  # not taken by the model (unexpected key): not counted
+    state["layer2.0.bn1.running_var"][:3] = float("inf")
+    torch.save(state, str(tmp_path / "diverged.pth"))
+    model = resnet18_model()
+    before = model.state_dict()["trunk._feature_blocks.layer1.0.conv1.weight"].clone()
+    with pytest.raises(UserError) as e:
+        ck.init_model_from_weights(model, weights_cfg(tmp_path / "diverged.pth", STATE_DICT_KEY_NAME="",
+                                                      APPEND_PREFIX="trunk._feature_blocks."))
+    assert str(e.value).startswith(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {tmp_path / 'diverged.pth'}: 4 of its "
+                                   f"weights are NaN or infinite, in 2 tensor(s) ("), str(e.value)
+    assert torch.equal(model.state_dict()["trunk._feature_blocks.layer1.0.conv1.weight"], before)  # nothing loaded
+
+
 def test_init_from_vissl_layout_and_removed_prefix(tmp_path):
     src = resnet18_model()
     state = {"trunk": {k[len("trunk."):]: v for k, v in src.state_dict().items() if k.startswith("trunk.")},

@@ -82,7 +82,40 @@ def extraction_status(folder: Path, split: str) -> Optional[Dict[str, object]]:
         status = None
     if not isinstance(status, dict):
         raise FeatureShardError(f"{path} is not a status file of this engine; extract {split.lower()} again")
+    problem = _status_problem(status)
+    if problem:
+        raise FeatureShardError(f"{path} is not a status file of this engine ({problem}); extract {split.lower()} again")
     return status
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _status_problem(status: Dict[str, object]) -> str:
+    """What in a status file's fields is not what the engine writes ('' when nothing): a file edited
+    by hand would otherwise be read as far as it goes (a missing shard unnoticed, labels renumbered)."""
+    state = status.get("status")
+    if state not in ("running", "complete", "failed"):
+        return f"its status is {state!r}, not running, complete or failed" if "status" in status else "it has no status"
+    if state != "complete":
+        return ""
+    samples, layers = status.get("samples"), status.get("layers")
+    if not _is_int(samples) or samples < 0:
+        return f"its samples is {samples!r}, not a count" if "samples" in status else "it has no samples count"
+    if "layers" in status and not isinstance(layers, (dict, list)):
+        return f"its layers is {layers!r}, not the layers extracted"
+    classes = status.get("classes")
+    if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)
+                                or len(set(classes)) != len(classes)):
+        return f"its classes is {classes!r}, not a list of distinct class names"
+    label_type = status.get("label_type", "standard")
+    if label_type not in ("standard", "sample_index", "zero"):
+        return f"its label_type is {label_type!r}"
+    unreadable = status.get("unreadable")
+    if unreadable is not None and (not isinstance(unreadable, list) or not all(_is_int(i) and i >= 0 for i in unreadable)):
+        return f"its unreadable is {unreadable!r}, not a list of sample indices"
+    return ""
 
 
 def split_classes(folder: Path, split: str) -> Optional[List[str]]:

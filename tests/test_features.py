@@ -2,6 +2,7 @@
 weights from a checkpoint folder or MODEL.WEIGHTS_INIT, the kNN test, and linear evaluation."""
 
 import importlib.util
+import json
 import re
 import subprocess
 import threading
@@ -133,6 +134,29 @@ def test_a_split_whose_extraction_did_not_finish_is_refused(tmp_path: Path) -> N
     # shards without a status file (written by VISSL) are read as they are
     status_path(tmp_path, "train").unlink()
     assert len(load_features(tmp_path, "train", "res5avg")["inds"]) == 30
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"samples": "30"}, "its samples is '30', not a count"),
+    ({"samples": None}, "its samples is None, not a count"),
+    ({"status": 1}, "its status is 1, not running, complete or failed"),
+    ({"classes": ["a", "a"]}, "its classes is ['a', 'a'], not a list of distinct class names"),
+    ({"classes": 5}, "its classes is 5"),
+    ({"layers": "x"}, "its layers is 'x'"),
+    ({"unreadable": ["3"]}, "its unreadable is ['3']"),
+    ({"label_type": "bogus"}, "its label_type is 'bogus'"),
+])
+def test_a_status_file_edited_by_hand_is_refused_naming_the_field(tmp_path: Path, edit, says) -> None:
+    """A status file with a field of another type was read as far as it went: samples as a string
+    let a removed shard go unnoticed, and a reordered class list renumbered the labels."""
+    write_split(tmp_path, "train", np.arange(30), threshold=8, batch=5)
+    write_extraction_status(tmp_path, "train", "complete", samples=30, layers={"res5avg": {}}, label_type="standard")
+    status = json.loads(status_path(tmp_path, "train").read_text())
+    status.update(edit)
+    status_path(tmp_path, "train").write_text(json.dumps(status))
+    with pytest.raises(FeatureShardError, match=re.escape(f"extraction_train.json is not a status file of this engine "
+                                                          f"({says}")):
+        load_features(tmp_path, "train", "res5avg")
 
 
 def test_a_failed_background_write_raises_and_leaves_no_temp_file_or_thread(tmp_path: Path, monkeypatch) -> None:

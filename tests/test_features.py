@@ -456,10 +456,11 @@ def test_knn_settings_out_of_range_are_one_line_before_any_extraction(tmp_path: 
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "features"
-    code = mod.main(["config=extract/simclr_digits_trunk", f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", override])
+    code = mod.main(["config=extract/simclr_digits_trunk", f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}",
+                     f"config.CHECKPOINT.DIR={tmp_path / 'run'}", override])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {says}"), err
-    assert not out.exists()  # nothing was extracted
+    assert not out.exists() and not (tmp_path / "run").exists()  # refused before anything ran
 
 
 def test_knn_accuracy_refuses_settings_out_of_range_in_one_line() -> None:

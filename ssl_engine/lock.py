@@ -325,6 +325,6 @@ def _ctrl_c_held_back() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)  # None: set outside Python
         if caught and callable(previous):
             previous(signal.SIGINT, caught[0])  # the interrupt, now that the block is done

@@ -34,6 +34,7 @@ import numpy as np
 
 from ssl_engine.checkpoint import atomic_write, atomic_write_text
 from ssl_engine.errors import UserError
+from ssl_engine.resume_state import is_int
 
 DEFAULT_CHUNK_THRESHOLD = 4096
 # Threads that write the files of a chunk (3 per layer: features, targets, inds) at the same time.
@@ -88,10 +89,6 @@ def extraction_status(folder: Path, split: str) -> Optional[Dict[str, object]]:
     return status
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _status_problem(status: Dict[str, object]) -> str:
     """What in a status file's fields is not what the engine writes ('' when nothing): a file edited
     by hand would otherwise be read as far as it goes (a missing shard unnoticed, labels renumbered)."""
@@ -101,7 +98,7 @@ def _status_problem(status: Dict[str, object]) -> str:
     if state != "complete":
         return ""
     samples, layers = status.get("samples"), status.get("layers")
-    if not _is_int(samples) or samples < 0:
+    if not is_int(samples) or samples < 0:
         return f"its samples is {samples!r}, not a count" if "samples" in status else "it has no samples count"
     if "layers" in status and not isinstance(layers, (dict, list)):
         return f"its layers is {layers!r}, not the layers extracted"
@@ -113,7 +110,7 @@ def _status_problem(status: Dict[str, object]) -> str:
     if label_type not in ("standard", "sample_index", "zero"):
         return f"its label_type is {label_type!r}"
     unreadable = status.get("unreadable")
-    if unreadable is not None and (not isinstance(unreadable, list) or not all(_is_int(i) and i >= 0 for i in unreadable)):
+    if unreadable is not None and (not isinstance(unreadable, list) or not all(is_int(i) and i >= 0 for i in unreadable)):
         return f"its unreadable is {unreadable!r}, not a list of sample indices"
     return ""
 

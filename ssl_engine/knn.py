@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ssl_engine.errors import UserError, first_few
+from ssl_engine.resume_state import is_int
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +76,12 @@ def check_settings(topk: Any, sigma: Any, topk_list: Any, chunk_size: Any) -> No
     config; here for callers of :func:`knn_accuracy`): a UserError naming the first out of range."""
     key = "config.NEAREST_NEIGHBOR"
     for name, value in (("TOPK", topk), ("TEST_CHUNK_SIZE", chunk_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise UserError(f"{key}.{name}={value!r} must be an integer >= 1")
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0 or sigma == float("inf"):
         raise UserError(f"{key}.SIGMA={sigma!r} must be a number > 0 (the vote temperature, e.g. 0.1)")
     ks = list(topk_list) if isinstance(topk_list, (list, tuple)) else None
-    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+    if not ks or any(not is_int(k) or k < 1 for k in ks):
         raise UserError(f"{key}.TOPK_LIST={topk_list!r} must list the k of each top-k accuracy to report, each an "
                         f"integer >= 1, e.g. [1, 5]")
 

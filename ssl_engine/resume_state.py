@@ -20,7 +20,8 @@ _OWN_COUNTERS = ("local_iteration_num", "phase_complete")
 WRITTEN_BY_VISSL = "VISSL"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer of a file's record (a bool, which is an int to Python, is not)."""
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
@@ -51,7 +52,7 @@ def state_problem(data: Dict[str, Any]) -> Optional[str]:
         values = state
     for key, lowest in counters.items():
         value = values.get(key)
-        if not _is_int(value) or int(value) < lowest:
+        if not is_int(value) or int(value) < lowest:
             shown = "missing" if key not in values else f"{value!r}"
             return (f"its {where}{key} is {shown}, where a training checkpoint has an integer >= {lowest}: it was "
                     f"not written by a training run, or was changed since")

@@ -118,17 +118,26 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> 
             tmp.unlink()
         except OSError:
             pass
-        os_error = _os_error_in(e)
-        # the run made this folder: a file that cannot be made in it means the folder went away
-        gone = folder_gone(str(path), known=True) if os_error is not None and os_error.errno == errno.ENOENT else None
-        if gone is not None:
-            raise CheckpointError(str(gone)) from e
-        if os_error is not None:
-            why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied", errno.EROFS: "read-only file system"}.get(
-                os_error.errno, os_error.strerror or str(os_error)
-            )
-            raise CheckpointError(f"cannot write {path.name} in {path.parent}: {why}; the previous files there are intact") from e
+        failure = write_failure(path, e)
+        if failure is not None:
+            raise failure from e
         raise
+
+
+def write_failure(path: Path, e: BaseException) -> Optional[CheckpointError]:
+    """The CheckpointError that says why writing ``path`` failed with ``e`` (its folder is gone,
+    the disk is full, ...), or None when ``e`` holds no OSError."""
+    os_error = _os_error_in(e)
+    if os_error is None:
+        return None
+    # the run made this folder: a file that cannot be made in it means the folder went away
+    gone = folder_gone(str(path), known=True) if os_error.errno == errno.ENOENT else None
+    if gone is not None:
+        return CheckpointError(str(gone))
+    why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied", errno.EROFS: "read-only file system"}.get(
+        os_error.errno, os_error.strerror or str(os_error)
+    )
+    return CheckpointError(f"cannot write {path.name} in {path.parent}: {why}; the previous files there are intact")
 
 
 def pid_alive(pid: int) -> bool:

@@ -8,12 +8,11 @@ samples, with VISSL's names::
     <folder>/rank{R}_chunk{C}_{split}_{layer}_inds.npy       [n] int64 sample indices
 
 (``split`` in lower case). Every file is written to a temporary name, fsynced and renamed into
-place, so a reader never sees half a shard, even after a crash. The files of a chunk are written
-in the background, in parallel (so their fsyncs share the file system's journal commits), while
-the next chunk is computed; a rank never holds more than two chunks of a split in memory (the
-one being written and the one being filled). :func:`load_features` merges the shards of all
-ranks and chunks, sorted by index; :func:`iter_shards` walks them one at a time without loading
-the rest.
+place, so a reader never sees half a shard, even after a crash. A background thread appends each
+batch's rows to the chunk's temporary files while the next batch is computed, so a rank holds
+about one chunk of a split in memory at most, and the end of a chunk costs a header and an fsync
+of the little not yet on disk. :func:`load_features` merges the shards of all ranks and chunks,
+sorted by index; :func:`iter_shards` walks them one at a time without loading the rest.
 
 Each split also has a status file, ``<folder>/extraction_{split}.json``: ``{"status": "running"}``
 from the moment its extraction starts, ``{"status": "complete", "samples": N, ...}`` once every
@@ -24,21 +23,21 @@ they are.
 """
 
 import json
+import os
 import re
+import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ssl_engine.checkpoint import atomic_write, atomic_write_text
+from ssl_engine.checkpoint import atomic_write_text, fsync_dir, write_failure
 from ssl_engine.errors import UserError
 from ssl_engine.resume_state import is_int
 
 DEFAULT_CHUNK_THRESHOLD = 4096
-# Threads that write the files of a chunk (3 per layer: features, targets, inds) at the same time.
-MAX_WRITE_THREADS = 8
 KINDS = ("features", "targets", "inds")
 _SHARD_RE = re.compile(r"^rank(\d+)_chunk(\d+)_([a-z0-9]+)_(.+)_(features|targets|inds)\.npy$")
 
@@ -52,11 +51,6 @@ def shard_path(folder: Path, rank: int, chunk: int, split: str, layer: str, kind
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return Path(folder) / f"rank{int(rank)}_chunk{int(chunk)}_{split.lower()}_{layer}_{kind}.npy"
-
-
-def save_npy(path: Path, array: np.ndarray) -> None:
-    """``np.save`` through a temporary file in the same folder, renamed into place."""
-    atomic_write(Path(path), lambda f: np.save(f, array, allow_pickle=False))
 
 
 def status_path(folder: Path, split: str) -> Path:
@@ -327,17 +321,90 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
     return {"features": features, "targets": targets, "inds": sorted_inds}
 
 
+def npy_header(dtype: np.dtype, shape: Tuple[int, ...], size: Optional[int] = None) -> bytes:
+    """The header of a version 1.0 ``.npy`` file holding a C-ordered ``dtype`` array of ``shape``.
+
+    ``size`` pads it to exactly that many bytes (a multiple of 64, so that the data stays
+    aligned for memory mapping); by default the smallest multiple of 64 that holds it. A shard
+    is written before its row count is known: its header's room is reserved for the largest
+    count, and the header of the real count is padded to the same size at the end.
+    """
+    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                                     tuple(int(d) for d in shape))
+    needed = 10 + len(text) + 1  # magic, version, length field; the dict; its newline
+    size = size if size is not None else -(-needed // 64) * 64
+    if needed > size or size - 10 > 0xFFFF:
+        raise ValueError(f"an .npy header for shape {tuple(shape)} needs {needed} bytes, more than {size}")
+    body = text + " " * (size - needed) + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")
+
+
+class _ShardFile:
+    """One shard file being written row block by row block, under a temporary name.
+
+    Its header's room is reserved at the start; :meth:`finish` writes the header of the real
+    row count, fsyncs and renames the file into place. The writeback of each block is started
+    as soon as it is written (``sync_file_range`` on Linux), so that the closing fsync finds
+    little left to flush. Used by one writer thread only.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype, row_shape: Tuple[int, ...], max_rows: int) -> None:
+        if dtype.hasobject:
+            raise ValueError(f"{path.name}: cannot write an array of Python objects ({dtype}) as a shard")
+        self.path, self.dtype, self.row_shape = path, dtype, row_shape
+        self.tmp = path.parent / f".{path.name}.tmp.{os.getpid()}"
+        self.header_size = len(npy_header(dtype, (max_rows,) + row_shape))
+        self.rows = 0
+        self._file = open(self.tmp, "wb")
+        self._file.seek(self.header_size)
+        self._offset = self.header_size
+
+    def append(self, block: np.ndarray) -> None:
+        data = memoryview(np.ascontiguousarray(block)).cast("B")
+        self._file.write(data)
+        self._file.flush()
+        if _START_WRITEBACK is not None:
+            _START_WRITEBACK(self._file.fileno(), self._offset, len(data), os.SYNC_FILE_RANGE_WRITE)
+        self._offset += len(data)
+        self.rows += len(block)
+
+    def finish(self) -> None:
+        self._file.seek(0)
+        self._file.write(npy_header(self.dtype, (self.rows,) + self.row_shape, self.header_size))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        """Close and remove the temporary file (after an error, or when the extraction stops)."""
+        try:
+            self._file.close()
+        finally:
+            try:
+                self.tmp.unlink()
+            except OSError:
+                pass
+
+
+# starts the writeback of a file range without waiting for it (Linux only; elsewhere the closing
+# fsync writes the whole file)
+_START_WRITEBACK = getattr(os, "sync_file_range", None)
+
+
 class ShardWriter:
-    """Buffers the features of one rank and split, and writes a shard every ``chunk_threshold`` samples.
+    """Writes the features of one rank and split as they come, a shard every ``chunk_threshold`` samples.
 
     ``add`` takes a batch: ``{layer: [n, ...] array}``, targets ``[n, ...]`` and inds ``[n]``;
     the arrays must not be modified after ``add``: they are written later, by another thread.
-    A full chunk's files are handed to writer threads (each file through :func:`save_npy`:
-    temporary name, fsync, rename, folder fsync) and ``add`` returns at once; the next flush
-    first waits for them, so memory stays below two chunks plus one batch whatever the size of
-    the split. :meth:`close` writes the last chunk and returns once every file is on disk; a
-    failed write raises there (or at the next flush). Use the writer as a context manager, or
-    call :meth:`abort` on an error, so that no writer thread outlives the extraction.
+    One writer thread appends each batch's rows to the chunk's files (temporary names) while
+    the next batch is computed; when a chunk is full its files get their headers, are fsynced
+    and renamed into place. ``add`` waits only when the batches not yet written hold more than
+    a chunk, so memory stays below about one chunk whatever the size of the split. :meth:`close`
+    finishes the last chunk and returns once every file is on disk. A failed write raises at
+    the next ``add`` or at ``close``, with the temporary files removed and nothing more written.
+    Use the writer as a context manager, or call :meth:`abort` on an error, so that no writer
+    thread outlives the extraction.
     """
 
     def __init__(self, folder: Path, rank: int, split: str, chunk_threshold: int = DEFAULT_CHUNK_THRESHOLD) -> None:
@@ -345,60 +412,74 @@ class ShardWriter:
         self.rank = int(rank)
         self.split = split.lower()
         self.chunk_threshold = int(chunk_threshold) if chunk_threshold and chunk_threshold > 0 else DEFAULT_CHUNK_THRESHOLD
-        self.chunk = 0
+        self.chunk = 0  # chunks started so far (the last one may still be filling)
         self.num_samples = 0
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         self.dtypes: Dict[str, np.dtype] = {}
-        self._feats: Dict[str, List[np.ndarray]] = {}
-        self._targets: List[np.ndarray] = []
-        self._inds: List[np.ndarray] = []
-        self._buffered = 0
-        self._pool: Optional[ThreadPoolExecutor] = None  # started at the first flush
-        self._writing: List[Future] = []  # the files of the chunk being written
+        self._target_dtype: Optional[np.dtype] = None
+        self._filled = 0  # rows in the chunk being filled
+        self._pool: Optional[ThreadPoolExecutor] = None  # the writer thread, started at the first add
+        self._pending: List[Tuple[Future, int]] = []  # (write, rows) handed to the writer thread, oldest first
+        self._pending_rows = 0
+        self._open: Dict[str, _ShardFile] = {}  # the chunk's files (writer thread only while it runs)
+        self._failed = False
 
     @property
     def layers(self) -> List[str]:
         return list(self.shapes)
 
     def add(self, features: Dict[str, np.ndarray], targets: np.ndarray, inds: np.ndarray) -> None:
+        inds = np.asarray(inds, dtype=np.int64)
+        targets = np.asarray(targets)
         n = len(inds)
         if not self.shapes:
             self.shapes = {k: tuple(v.shape[1:]) for k, v in features.items()}
             self.dtypes = {k: v.dtype for k, v in features.items()}
-            self._feats = {k: [] for k in features}
+            self._target_dtype = targets.dtype
         if set(features) != set(self.shapes):
             raise ValueError(f"batch has layers {sorted(features)}, earlier batches had {sorted(self.shapes)}")
-        for k, v in features.items():
-            if len(v) != n:
-                raise ValueError(f"layer {k!r} has {len(v)} rows for {n} sample indices")
-            self._feats[k].append(v)
-        self._targets.append(targets)
-        self._inds.append(np.asarray(inds, dtype=np.int64))
-        self._buffered += n
+        arrays = {k: self._conform(f"layer {k!r}", v, self.dtypes[k], self.shapes[k], n) for k, v in features.items()}
+        targets = self._conform("targets", targets, self._target_dtype, None, n)
+        start = 0
+        while start < n:
+            rows = min(n - start, self.chunk_threshold - self._filled)
+            part = slice(start, start + rows)
+            blocks = {k: v[part] for k, v in arrays.items()}
+            self._submit(self._append, self.chunk, blocks, targets[part], inds[part], rows=rows)
+            if self._filled == 0:
+                self.chunk += 1
+            self._filled += rows
+            start += rows
+            if self._filled == self.chunk_threshold:
+                self._submit(self._finish_chunk, rows=0)
+                self._filled = 0
         self.num_samples += n
-        while self._buffered >= self.chunk_threshold:
-            self._flush(self.chunk_threshold)
+        self._collect(limit=self.chunk_threshold)
 
     def close(self) -> None:
-        """Write what is left as the last (smaller) chunk and wait until every file is written."""
+        """Finish the last (smaller) chunk and wait until every file is written."""
         try:
-            if self._buffered:
-                self._flush(self._buffered)
-            self._wait()
+            if self._filled:
+                self._submit(self._finish_chunk, rows=0)
+                self._filled = 0
+            self._collect(limit=0)
         except BaseException:
             self.abort()
             raise
         self._stop_threads()
 
     def abort(self) -> None:
-        """Let the files being written finish (ignoring their errors), drop the buffer, stop the threads."""
-        for f in self._writing:
-            if not f.cancel():
-                f.exception()  # already writing: let it finish (its temporary file is removed on error)
-        self._writing = []
-        self._feats = {k: [] for k in self._feats}
-        self._targets, self._inds, self._buffered = [], [], 0
+        """Stop writing: the write under way ends, the chunk's temporary files are removed, the thread stops."""
+        self._failed = True  # queued writes return at once
+        for write, _ in self._pending:
+            if not write.cancel():
+                write.exception()  # running: let it end
+        self._pending, self._pending_rows = [], 0
         self._stop_threads()
+        for f in self._open.values():
+            f.discard()
+        self._open = {}
+        self._filled = 0
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -409,42 +490,86 @@ class ShardWriter:
         else:
             self.abort()
 
-    def _wait(self) -> None:
-        """Wait for the chunk being written; raise its first error."""
-        writing, self._writing = self._writing, []
-        errors = [e for e in (f.exception() for f in writing) if e is not None]
-        if errors:
-            raise errors[0]
-
     def _stop_threads(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _take(self, parts: List[np.ndarray], rows: int) -> Tuple[np.ndarray, List[np.ndarray]]:
-        """The first ``rows`` rows of the buffered arrays, and the rest."""
-        merged = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        rest = [merged[rows:].copy()] if len(merged) > rows else []  # a copy frees the merged block
-        return merged[:rows], rest
+    @staticmethod
+    def _conform(what: str, array: np.ndarray, dtype: np.dtype, row_shape: Optional[Tuple[int, ...]], n: int) -> np.ndarray:
+        """``array`` as rows of the shard's dtype (and row shape), or a ValueError naming ``what``."""
+        array = np.asarray(array)
+        if len(array) != n:
+            raise ValueError(f"{what} has {len(array)} rows for {n} sample indices")
+        if row_shape is not None and tuple(array.shape[1:]) != row_shape:
+            raise ValueError(f"{what} has rows of shape {tuple(array.shape[1:])}, earlier batches had {row_shape}")
+        if array.dtype != dtype:
+            if not np.can_cast(array.dtype, dtype, "same_kind"):
+                raise ValueError(f"{what} is {array.dtype}, earlier batches were {dtype}")
+            array = array.astype(dtype)
+        return array
 
-    def _flush(self, rows: int) -> None:
-        try:
-            self._wait()  # the previous chunk first: at most one chunk in flight, one being merged
-        except BaseException:
-            self.abort()  # a failed write ends the writer: nothing more is written
-            raise
-        files: List[Tuple[Path, np.ndarray]] = []
-        targets, self._targets = self._take(self._targets, rows)
-        inds, self._inds = self._take(self._inds, rows)
-        for layer in self.shapes:
-            feats, self._feats[layer] = self._take(self._feats[layer], rows)
-            files.append((shard_path(self.folder, self.rank, self.chunk, self.split, layer, "features"), feats))
-            files.append((shard_path(self.folder, self.rank, self.chunk, self.split, layer, "targets"), targets))
-            files.append((shard_path(self.folder, self.rank, self.chunk, self.split, layer, "inds"), inds))
-        self._buffered -= rows
-        self.chunk += 1
+    def _submit(self, fn: Callable[..., None], *args: Any, rows: int) -> None:
         if self._pool is None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            workers = min(MAX_WRITE_THREADS, len(files))
-            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-writer")
-        self._writing = [self._pool.submit(save_npy, path, array) for path, array in files]
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._pending.append((self._pool.submit(fn, *args), rows))
+        self._pending_rows += rows
+
+    def _collect(self, limit: int) -> None:
+        """Take the finished writes off the list, waiting for the oldest while more than ``limit``
+        rows are not written yet; raise the first error (after which nothing more is written)."""
+        while self._pending and (self._pending[0][0].done() or self._pending_rows > limit):
+            write, rows = self._pending.pop(0)
+            self._pending_rows -= rows
+            error = write.exception()
+            if error is not None:
+                self.abort()
+                raise error
+
+    # ------------------------------------------------------------------ on the writer thread
+
+    def _append(self, chunk: int, blocks: Dict[str, np.ndarray], targets: np.ndarray, inds: np.ndarray) -> None:
+        if self._failed:
+            return
+        try:
+            if not self._open:
+                self._open_chunk(chunk, blocks, targets)
+            for layer, block in blocks.items():
+                self._open[f"{layer}/features"].append(block)
+                self._open[f"{layer}/targets"].append(targets)
+                self._open[f"{layer}/inds"].append(inds)
+        except BaseException as e:
+            self._fail(e)
+
+    def _open_chunk(self, chunk: int, blocks: Dict[str, np.ndarray], targets: np.ndarray) -> None:
+        for layer, block in blocks.items():
+            for kind, dtype, row_shape in (("features", block.dtype, block.shape[1:]),
+                                           ("targets", targets.dtype, targets.shape[1:]),
+                                           ("inds", np.dtype(np.int64), ())):
+                path = shard_path(self.folder, self.rank, chunk, self.split, layer, kind)
+                self._open[f"{layer}/{kind}"] = _ShardFile(path, np.dtype(dtype), tuple(row_shape), self.chunk_threshold)
+
+    def _finish_chunk(self) -> None:
+        if self._failed:
+            return
+        try:
+            while self._open:  # a file leaves the list once it is in place
+                key = next(iter(self._open))
+                self._open[key].finish()
+                del self._open[key]
+            fsync_dir(self.folder)
+        except BaseException as e:
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        """Remove the chunk's temporary files and raise ``e`` as the error that says why."""
+        self._failed = True
+        path = next(iter(self._open.values())).path if self._open else self.folder / "shard"
+        for f in self._open.values():
+            f.discard()
+        self._open = {}
+        failure = write_failure(path, e)
+        if failure is not None:
+            raise failure from e
+        raise e

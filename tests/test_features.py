@@ -25,7 +25,7 @@ from ssl_engine.features import (
     load_features,
     remove_shards,
     extraction_status,
-    save_npy,
+    npy_header,
     shard_path,
     status_path,
     write_extraction_status,
@@ -87,7 +87,7 @@ def test_load_merges_ranks_and_chunks_sorted_by_index(tmp_path: Path) -> None:
 
 def test_failed_write_leaves_no_temp_file_and_keeps_the_old_shard(tmp_path: Path) -> None:
     path = shard_path(tmp_path, 0, 0, "train", "res5avg", "features")
-    save_npy(path, np.ones((2, 3), dtype=np.float32))
+    np.save(path, np.ones((2, 3), dtype=np.float32))
 
     def half_then_fail(f) -> None:
         f.write(b"\x93NUMPY partial")
@@ -159,22 +159,74 @@ def test_a_status_file_edited_by_hand_is_refused_naming_the_field(tmp_path: Path
         load_features(tmp_path, "train", "res5avg")
 
 
-def test_a_failed_background_write_raises_and_leaves_no_temp_file_or_thread(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("step", ["append", "finish"])
+def test_a_failed_background_write_raises_and_leaves_no_temp_file_or_thread(tmp_path: Path, monkeypatch,
+                                                                            step: str) -> None:
+    """The disk fills up while a features file is written (a block appended, or its closing
+    fsync): the error says so, and no temporary file, shard or writer thread is left."""
     import ssl_engine.features as features
 
-    real_save = features.np.save
+    real = getattr(features._ShardFile, step)
 
-    def disk_full_on_features(f, array, **kw) -> None:
-        if "features" in Path(f.name).name:
-            f.write(b"\x93NUMPY partial")
+    def disk_full_on_features(self, *args) -> None:
+        if "features" in self.path.name and (step == "finish" or self.rows):  # its second block
+            self._file.write(b"partial")
             raise OSError(28, "No space left on device")
-        real_save(f, array, **kw)
+        real(self, *args)
 
-    monkeypatch.setattr(features.np, "save", disk_full_on_features)
+    monkeypatch.setattr(features._ShardFile, step, disk_full_on_features)
     with pytest.raises(CheckpointError, match="disk is full"):
         write_split(tmp_path, "train", np.arange(20), threshold=8, batch=4)
     assert temp_files(tmp_path) == [] and shard_writer_threads() == []
     assert not list(tmp_path.glob("*_features.npy"))
+
+
+def test_shard_headers_hold_the_real_row_count_and_keep_the_data_aligned(tmp_path: Path) -> None:
+    """Rows are streamed behind a header sized for a full chunk: a short last chunk gets a header
+    of the same size with its own count, readable by numpy (also memory-mapped)."""
+    write_split(tmp_path, "train", np.arange(13), threshold=10, batch=4, layers={"res4": (2, 3)})
+    last = shard_path(tmp_path, 0, 1, "train", "res4", "features")
+    mapped = np.load(last, mmap_mode="r")
+    assert mapped.shape == (3, 2, 3) and mapped.offset % 64 == 0
+    np.testing.assert_array_equal(mapped[:, 0, 0], [100.0, 110.0, 120.0])
+    full = shard_path(tmp_path, 0, 0, "train", "res4", "targets")
+    np.testing.assert_array_equal(np.load(full), np.arange(10) % 3)
+    assert len(npy_header(np.float32, (3, 2, 3), 128)) == 128
+    with pytest.raises(ValueError, match="needs"):
+        npy_header(np.float32, (10 ** 60, 2), 128)
+
+
+def test_add_waits_while_more_than_a_chunk_is_not_written(tmp_path: Path, monkeypatch) -> None:
+    """A disk slower than the model: ``add`` blocks once the batches not yet written hold more
+    than a chunk, so memory stays bounded instead of queueing the whole split."""
+    import ssl_engine.features as features
+
+    gate = threading.Event()
+    real = features._ShardFile.append
+
+    def slow_append(self, block) -> None:
+        gate.wait(10)
+        real(self, block)
+
+    monkeypatch.setattr(features._ShardFile, "append", slow_append)
+    added: List[int] = []
+    writer = ShardWriter(tmp_path, 0, "train", 8)
+
+    def produce() -> None:
+        for s in range(0, 24, 4):
+            idx = np.arange(s, s + 4)
+            writer.add({"res5avg": np.ones((4, 2), np.float32)}, idx % 3, idx)
+            added.append(s)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    t.join(0.5)
+    assert added == [0, 4], added  # the third batch would make 12 rows not yet written, over a chunk of 8
+    gate.set()
+    t.join(10)
+    writer.close()
+    assert added == [0, 4, 8, 12, 16, 20] and writer.chunk == 3
+    assert len(load_features(tmp_path, "train", "res5avg")["inds"]) == 24
 
 
 def test_an_error_while_extracting_stops_the_writer_threads(tmp_path: Path) -> None:
@@ -229,19 +281,19 @@ def test_loader_explains_empty_or_inconsistent_folders(tmp_path: Path, damage: s
             shard_path(folder, 0, 1, "train", "res5avg", kind).unlink()
     elif damage == "shape":
         write_split(folder, "train", np.arange(8), threshold=4, batch=4)
-        save_npy(shard_path(folder, 0, 1, "train", "res5avg", "features"), np.zeros((4, 5), np.float32))
+        np.save(shard_path(folder, 0, 1, "train", "res5avg", "features"), np.zeros((4, 5), np.float32))
     elif damage == "rows":
         write_split(folder, "train", np.arange(8))
-        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.arange(3))
+        np.save(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.arange(3))
     elif damage == "scalar_inds":
         write_split(folder, "train", np.arange(8))
-        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.array(5))
+        np.save(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.array(5))
     elif damage == "2d_inds":
         write_split(folder, "train", np.arange(8))
-        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.arange(8).reshape(8, 1))
+        np.save(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.arange(8).reshape(8, 1))
     elif damage == "str_targets":
         write_split(folder, "train", np.arange(8))
-        save_npy(shard_path(folder, 0, 0, "train", "res5avg", "targets"), np.array(list("abcdefgh")))
+        np.save(shard_path(folder, 0, 0, "train", "res5avg", "targets"), np.array(list("abcdefgh")))
     with pytest.raises(FeatureShardError, match=message) as info:
         load_features(folder, "train", "res5avg")
     assert isinstance(info.value, UserError) and "\n" not in str(info.value)

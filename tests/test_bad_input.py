@@ -233,6 +233,10 @@ ROWS: List[Row] = [
       ("the meter accuracy_list_meter", "config.DATA.TEST.LABEL_SOURCES is empty"), tool=False),
     R("dataset-smaller-than-a-batch", ("config.DATA.TRAIN.DROP_LAST=true", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=64"),
       ("config.DATA.TRAIN.DROP_LAST", "32 samples", "BATCHSIZE_PER_REPLICA=64")),
+    # found before launch, not after the first train phase: the TEST split's collator takes its first sample
+    R("test-transforms-without-to-tensor", ("config.TEST_MODEL=true", "config.DATA.TEST.DATA_LIMIT=8",
+                                            "config.DATA.TEST.TRANSFORMS=[{name:Resize,size:32}]"),
+      ("cannot batch data entry 0: got a Image, not a tensor", "end config.DATA.TEST.TRANSFORMS with ToTensor")),
     R("bad-transform-params", ("config.DATA.TRAIN.TRANSFORMS=[{name:RandomResizedCrop,sizee:32}]",),
       ("config.DATA.TRAIN.TRANSFORMS[0]", "RandomResizedCrop", "sizee"), tool=False),
     # -- model, optimizer ---------------------------------------------------------------------------

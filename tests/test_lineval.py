@@ -371,7 +371,7 @@ def test_the_pool_op_check_before_launch_covers_every_split() -> None:
                    "[eval_mlp,{in_channels:256,dims:[256,10]}]]"], warn_unused=False)
     with torch.device("meta"):
         model = build_model(cfg.MODEL, cfg.OPTIMIZER)
-    train = [{"data": [torch.zeros(3, 32, 32)]}]
+    train = {"data": [torch.zeros(3, 32, 32)]}
     check_pool_ops_fit(model, {"TRAIN": train})
     with pytest.raises(UserError, match=r"does not fit trunk layer 'res4' of \[256, 1, 1\] \(input images 8x8\)"):
-        check_pool_ops_fit(model, {"TRAIN": train, "TEST": [{"data": [torch.zeros(3, 8, 8)]}]})
+        check_pool_ops_fit(model, {"TRAIN": train, "TEST": {"data": [torch.zeros(3, 8, 8)]}})

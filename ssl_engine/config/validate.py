@@ -963,20 +963,43 @@ def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any, world_size: in
                                      f"the model's BatchNorm1d layer {layers[0]!r} cannot train on one value per channel")
 
 
-def check_pool_ops_fit(model: Any, datasets: Dict[str, Any]) -> None:
-    """The LINEAR_EVAL_FEAT_POOL_OPS_MAP ops fit their trunk layers for the data's image size: one
-    sample of the first split is read (the transforms decide its size) and the model on the meta
-    device runs on a batch of that shape, so a 6x6 kernel over a 2x2 res4 is the model's own
-    one-line error before launch, not after the run has started in its folder."""
+def first_samples(datasets: Dict[str, Any]) -> Dict[str, Any]:
+    """Each split's first sample, through its transforms (a split whose first sample cannot be
+    read is left out: an unreadable image is the run's to report, under its own policy)."""
+    samples = {}
+    for split, dataset in datasets.items():
+        try:
+            if len(dataset):
+                samples[split] = dataset[0]
+        except Exception:  # noqa: BLE001
+            continue
+    return samples
+
+
+def check_samples_batch(samples: Dict[str, Any], loaders: Dict[str, Any]) -> None:
+    """Each split's collator takes its first sample (twice, as a batch of two): a split whose
+    transforms do not end in tensors (a TEST list without ToTensor) is the collator's one-line
+    error before launch, not after a whole train phase has run."""
+    for split, sample in samples.items():
+        loader = loaders.get(split)
+        if loader is not None:
+            _checked(f"a batch of the {split} data", loader.collate_fn, [sample, sample])
+
+
+def check_pool_ops_fit(model: Any, samples: Dict[str, Any]) -> None:
+    """The LINEAR_EVAL_FEAT_POOL_OPS_MAP ops fit their trunk layers for the data's image size:
+    the model on the meta device runs on a batch of the shape of each split's first sample (the
+    transforms decide it), so a 6x6 kernel over a 2x2 res4 is the model's own one-line error
+    before launch, not after the run has started in its folder."""
     import torch
 
     if not getattr(model, "feat_layer_names", None):
         return
     shapes = []
-    for dataset in datasets.values():  # each split: their transforms may give other sizes
+    for sample in samples.values():  # each split: their transforms may give other sizes
         try:
-            first = dataset[0]["data"][0]
-        except Exception:  # noqa: BLE001 - an unreadable first image is the run's to report
+            first = sample["data"][0]
+        except Exception:  # noqa: BLE001 - a sample without views is the run's to report
             continue
         if isinstance(first, torch.Tensor) and first.ndim == 3 and tuple(first.shape) not in shapes:
             shapes.append(tuple(first.shape))
@@ -1079,9 +1102,11 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
             from ssl_engine.hooks.best_checkpoint import check_metric_before_launch
 
             check_metric_before_launch(build_cfg, meters, splits)
+    samples = first_samples(datasets)
+    check_samples_batch(samples, loaders)
     if model is None:
         return
-    _checked("the pool ops against the trunk", check_pool_ops_fit, model, datasets)
+    _checked("the pool ops against the trunk", check_pool_ops_fit, model, samples)
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         check_no_batch_of_one(build_cfg, model, loaders["TRAIN"], world_size)
     check_model = getattr(loss, "check_model", None)

@@ -31,6 +31,18 @@ def _labels(y: np.ndarray) -> np.ndarray:
     return y[:, 0] if y.ndim > 1 else y.reshape(-1)
 
 
+def _integer_labels(split: str, y: np.ndarray) -> np.ndarray:
+    """``y`` when its values are integers (of any dtype); a UserError naming the split otherwise:
+    a fractional or non-numeric target is not a class, and casting would merge classes silently."""
+    if y.dtype.kind in "iub":
+        return y
+    if y.dtype.kind != "f" or not np.isfinite(y).all() or not np.array_equal(y, np.round(y)):
+        shown = next((v for v in y.tolist() if not (isinstance(v, float) and v.is_integer())), None)
+        raise UserError(f"kNN: the {split} targets are not class ids ({y.dtype} values such as {shown!r}); they must be "
+                        f"integers: extract the features again from a data set with class labels")
+    return y
+
+
 def align_test_labels(
     train_classes: Optional[Sequence[str]], test_classes: Optional[Sequence[str]], test_labels: np.ndarray
 ) -> Tuple[np.ndarray, Optional[str]]:
@@ -102,14 +114,16 @@ def knn_accuracy(
     """Top-k accuracies in percent, ``{k: accuracy}`` for each k of ``topk_list``.
 
     ``train_features`` [N, D] and ``test_features`` [M, D] (flattened if not), integer labels
-    [N] and [M]. ``topk`` is capped at N. ``num_classes`` defaults to the largest label + 1.
+    [N] and [M]. ``topk`` is capped at N. Votes go to the classes the train labels hold (their
+    ids may be any integers; a test label no train sample has is never predicted);
+    ``num_classes`` caps how many of them a top-k ranking counts (default: all).
     ``l2_norm``: compare L2-normalised features (cosine); False: raw dot products.
     """
     train_rows = np.asarray(train_features).reshape(len(train_features), -1)
     train = _as_tensor(train_rows, torch.float32).to(device)
     test = np.asarray(test_features).reshape(len(test_features), -1)
-    ytrain = _as_tensor(_labels(train_labels), torch.int64).to(device)
-    ytest = _as_tensor(_labels(test_labels), torch.int64)
+    ytrain = _as_tensor(_integer_labels("train", _labels(train_labels)), torch.int64).to(device)
+    ytest = _as_tensor(_integer_labels("test", _labels(test_labels)), torch.int64)
     if len(ytrain) != len(train) or len(ytest) != len(test):
         raise UserError(
             f"kNN: {len(train)} train features with {len(ytrain)} labels, {len(test)} test features with "
@@ -124,7 +138,11 @@ def knn_accuracy(
     _check_finite("train", train_rows, chunk_size)
     _check_finite("test", test, chunk_size)
     check_settings(topk, sigma, topk_list, chunk_size)
-    classes = int(num_classes) if num_classes else int(max(int(ytrain.max()), int(ytest.max())) + 1)
+    # votes per class present in the train labels (compact ids): the vote table's width does not
+    # follow the size of the label ids (an id of 10**12 asked for a table that size)
+    class_ids, ytrain = torch.unique(ytrain, return_inverse=True)
+    classes = len(class_ids) if not num_classes else min(int(num_classes), len(class_ids))
+    class_ids = class_ids.cpu()
     k = min(int(topk), len(train))
     ks = sorted({int(x) for x in topk_list})
     if l2_norm:
@@ -139,7 +157,7 @@ def knn_accuracy(
         # weight exp(sim / sigma), scaled per test sample by exp(-max sim / sigma), which leaves
         # its class ranking as it is, so that no sigma (or raw dot product) overflows float32
         votes.scatter_add_(1, ytrain[idx], ((sim - sim[:, :1]) / sigma).exp())
-        ranked = votes.topk(min(max(ks), classes), dim=1).indices.cpu()  # [c, max k]
+        ranked = class_ids[votes.topk(min(max(ks), classes), dim=1).indices.cpu()]  # [c, max k] label ids
         hit = ranked == ytest[start:start + chunk_size, None]
         for kk in ks:
             correct[kk] += int(hit[:, :kk].any(dim=1).sum())

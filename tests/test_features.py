@@ -355,6 +355,26 @@ def test_knn_is_independent_of_the_test_chunk_size() -> None:
         knn_accuracy(xtr, ytr, xte[:, :3], yte)
 
 
+def test_knn_votes_over_the_train_classes_whatever_their_ids() -> None:
+    """Label ids are names, not sizes: ids up to 10**12 vote like 0, 1, 2 (a table as wide as the
+    largest id asked for terabytes), a test label no train sample has is never a hit even when
+    top-k reaches past the train classes, and fractional targets are refused, not truncated."""
+    rng = np.random.RandomState(0)
+    centers = rng.randn(3, 8)
+    ytr, yte = rng.randint(0, 3, 90), rng.randint(0, 3, 30)
+    xtr, xte = centers[ytr] + 0.3 * rng.randn(90, 8), centers[yte] + 0.3 * rng.randn(30, 8)
+    small = knn_accuracy(xtr, ytr, xte, yte, topk=10, sigma=0.1, topk_list=[1, 2])
+    ids = np.array([7, 10 ** 12, 3 * 10 ** 9])
+    assert knn_accuracy(xtr, ids[ytr], xte, ids[yte], topk=10, sigma=0.1, topk_list=[1, 2]) == small
+    assert small[1] > 90.0
+    unseen = np.full(30, 5)  # in no train sample: the 3 train classes fill top-5, none is a hit
+    assert knn_accuracy(xtr, ytr, xte, unseen, topk=10, sigma=0.1, topk_list=[1, 5]) == {1: 0.0, 5: 0.0}
+    assert knn_accuracy(xtr, ytr.astype(np.float32), xte, yte.astype(np.float64), topk=10, sigma=0.1,
+                        topk_list=[1, 2]) == small
+    with pytest.raises(UserError, match=r"the train targets are not class ids \(float64 values such as 0.5\)"):
+        knn_accuracy(xtr, ytr + 0.5, xte, yte)
+
+
 # ------------------------------------------------------------------------------- end to end
 
 

@@ -395,10 +395,9 @@ def test_resume_does_not_replay_data(setup, tmp_path):
     reads.write_text("")
     r = run(cfg, folder, "config.TEST_MODEL=false", reads=reads)
     assert r.returncode == 0, r.stderr[-2000:]
-    train_reads = [ln for ln in reads.read_text().splitlines() if ln.startswith("TRAIN")]
     batch = 8
     # the resumed run reads the 2 remaining batches of phase 0, then 2 whole phases
-    assert len(train_reads) == (ITERS_PER_EPOCH - 4) * batch + (EPOCHS - 1) * ITERS_PER_EPOCH * batch
+    assert len(train_reads(reads)) == (ITERS_PER_EPOCH - 4) * batch + (EPOCHS - 1) * ITERS_PER_EPOCH * batch
 
 
 def test_a_resumed_run_logs_each_iteration_once(setup, tmp_path):
@@ -637,8 +636,12 @@ def test_a_new_run_from_scratch_never_resumes_the_earlier_runs_files(setup, refe
 
 
 def train_reads(path):
-    """Indices of the TRAIN samples read, in the order read, from a $SSL_TEST_READS file."""
-    return [int(ln.split()[1]) for ln in Path(path).read_text().splitlines() if ln.startswith("TRAIN ")]
+    """Indices of the TRAIN samples training read, in the order read, from a $SSL_TEST_READS file
+    of one run. Its first read is the pre-launch check's (sample 0 through the transforms and the
+    collator, in the tool's process before any rank starts): left out."""
+    reads = [int(ln.split()[1]) for ln in Path(path).read_text().splitlines() if ln.startswith("TRAIN ")]
+    assert reads[:1] == [0], reads[:3]
+    return reads[1:]
 
 
 NEW_GLOBAL_BATCH = {  # a change between a run and its resume -> (overrides, this run's global batch)

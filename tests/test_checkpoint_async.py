@@ -370,3 +370,41 @@ def test_async_and_synchronous_runs_write_the_same_checkpoints(tmp_path):
     assert os.readlink(folders["true"] / ck.POINTER) == os.readlink(folders["false"] / ck.POINTER)
     for name in names["true"]:
         assert_bitwise_equal(ck.load_checkpoint(folders["true"] / name), ck.load_checkpoint(folders["false"] / name), name)
+
+
+def test_one_writer_thread_serves_every_checkpoint(tmp_path: Path) -> None:
+    """Starting a thread per checkpoint cost the training thread milliseconds at each phase end:
+    successive background writes run on the same thread, and that thread is a daemon (an idle
+    writer never keeps the process alive)."""
+    writers: List[threading.Thread] = []
+    state = {"w": torch.arange(4.0)}
+    for i in range(3):
+        ck.save_checkpoint_async(tmp_path, f"model_phase{i}.torch", {"classy_state_dict": state},
+                                 on_saved=lambda _path: writers.append(threading.current_thread()))
+    ck.wait_for_checkpoint_writes()
+    assert len(writers) == 3 and len({id(t) for t in writers}) == 1  # the list keeps them: ids are not reused
+    assert writers[0] is not threading.main_thread() and writers[0].daemon
+    assert (tmp_path / "model_phase2.torch").is_file()
+
+
+def test_a_write_in_flight_when_the_process_ends_is_finished_first(tmp_path: Path) -> None:
+    """The writer thread is a daemon, so the interpreter would kill it at exit: the exit hook
+    waits for the write in flight, and the file is there after the process has ended."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time, torch\n"
+        "from ssl_engine import checkpoint as ck\n"
+        "real = ck._torch_save_to\n"
+        "def slow(*a, **k):\n"
+        "    time.sleep(1.0)\n"
+        "    return real(*a, **k)\n"
+        "ck._torch_save_to = slow\n"
+        f"ck.save_checkpoint_async({str(tmp_path)!r}, 'model_phase0.torch', {{'classy_state_dict': {{'w': torch.ones(3)}}}})\n"
+        "print('leaving', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "leaving" in r.stdout, r.stderr[-2000:]
+    assert torch.load(tmp_path / "model_phase0.torch")["classy_state_dict"]["w"].tolist() == [1.0, 1.0, 1.0]
+    assert (tmp_path / "checkpoint.torch").exists()

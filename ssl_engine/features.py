@@ -379,12 +379,13 @@ class _ShardFile:
     def discard(self) -> None:
         """Close and remove the temporary file (after an error, or when the extraction stops)."""
         try:
-            self._file.close()
-        finally:
-            try:
-                self.tmp.unlink()
-            except OSError:
-                pass
+            self._file.close()  # closes the file even when flushing what it buffers fails (a full disk)
+        except OSError:
+            pass
+        try:
+            self.tmp.unlink()
+        except OSError:
+            pass
 
 
 # starts the writeback of a file range without waiting for it (Linux only; elsewhere the closing
@@ -503,9 +504,9 @@ class ShardWriter:
             raise ValueError(f"{what} has {len(array)} rows for {n} sample indices")
         if row_shape is not None and tuple(array.shape[1:]) != row_shape:
             raise ValueError(f"{what} has rows of shape {tuple(array.shape[1:])}, earlier batches had {row_shape}")
-        if array.dtype != dtype:
-            if not np.can_cast(array.dtype, dtype, "same_kind"):
-                raise ValueError(f"{what} is {array.dtype}, earlier batches were {dtype}")
+        if array.dtype != dtype:  # the shard's dtype is the first batch's: only a cast that loses nothing
+            if not np.can_cast(array.dtype, dtype, "safe"):
+                raise ValueError(f"{what} is {array.dtype}, earlier batches were {dtype} (it would lose values)")
             array = array.astype(dtype)
         return array
 

@@ -181,6 +181,58 @@ def test_a_failed_background_write_raises_and_leaves_no_temp_file_or_thread(tmp_
     assert not list(tmp_path.glob("*_features.npy"))
 
 
+def test_a_full_disk_with_rows_left_in_the_file_buffer_is_still_one_error(tmp_path: Path, monkeypatch) -> None:
+    """A small block stays in the file's buffer when the disk is full; closing the file to remove
+    it tries that flush again. The write still ends in the disk-full error, with no temporary file."""
+    import ssl_engine.features as features
+
+    real = features._ShardFile.append
+
+    class FullDisk:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def write(self, data) -> int:
+            return len(data)  # buffered
+
+        def flush(self) -> None:
+            raise OSError(28, "No space left on device")
+
+        def close(self) -> None:
+            self.f.close()
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def fill_up(self, block) -> None:
+        if "features" in self.path.name and self.rows:
+            self._file = FullDisk(self._file)
+        real(self, block)
+
+    monkeypatch.setattr(features._ShardFile, "append", fill_up)
+    with pytest.raises(CheckpointError, match="disk is full"):
+        write_split(tmp_path, "train", np.arange(20), threshold=8, batch=2)
+    assert temp_files(tmp_path) == [] and shard_writer_threads() == []
+
+
+def test_a_batch_whose_dtype_would_lose_values_is_refused(tmp_path: Path) -> None:
+    """A shard takes its first batch's dtype: a later batch is cast only when that loses nothing
+    (int8 targets after int8, float16 into a float32 shard), else refused, not silently narrowed."""
+    idx = np.arange(4)
+    with ShardWriter(tmp_path, 0, "train", 8) as writer:
+        writer.add({"res5avg": np.ones((4, 2), np.float32)}, idx.astype(np.int8), idx)
+        writer.add({"res5avg": np.ones((4, 2), np.float16)}, idx.astype(np.int8), idx + 4)
+    assert np.load(shard_path(tmp_path, 0, 0, "train", "res5avg", "features")).dtype == np.float32
+    for features_dtype, targets, message in ((np.float64, idx.astype(np.int8), "layer 'res5avg' is float64"),
+                                             (np.float32, idx * 300, "targets is int64")):
+        with pytest.raises(ValueError, match=message + r", earlier batches were \w+ \(it would lose values\)"):
+            with ShardWriter(tmp_path / "x", 0, "train", 8) as writer:
+                writer.add({"res5avg": np.ones((4, 2), np.float32)}, idx.astype(np.int8), idx)
+                writer.add({"res5avg": np.full((4, 2), 1e5, features_dtype)}, targets, idx + 4)
+        assert temp_files(tmp_path / "x") == []
+
+
 def test_shard_headers_hold_the_real_row_count_and_keep_the_data_aligned(tmp_path: Path) -> None:
     """Rows are streamed behind a header sized for a full chunk: a short last chunk gets a header
     of the same size with its own count, readable by numpy (also memory-mapped)."""

@@ -10,8 +10,8 @@ samples, with VISSL's names::
 (``split`` in lower case). Every file is written to a temporary name, fsynced and renamed into
 place, so a reader never sees half a shard, even after a crash. A background thread appends each
 batch's rows to the chunk's temporary files while the next batch is computed, so a rank holds
-about one chunk of a split in memory at most, and the end of a chunk costs a header and an fsync
-of the little not yet on disk. :func:`load_features` merges the shards of all ranks and chunks,
+about one chunk of a split in memory at most, and the end of a chunk costs a header, fsyncs and
+renames, not a concatenation and a whole write. :func:`load_features` merges the shards of all ranks and chunks,
 sorted by index; :func:`iter_shards` walks them one at a time without loading the rest.
 
 Each split also has a status file, ``<folder>/extraction_{split}.json``: ``{"status": "running"}``
@@ -343,9 +343,7 @@ class _ShardFile:
     """One shard file being written row block by row block, under a temporary name.
 
     Its header's room is reserved at the start; :meth:`finish` writes the header of the real
-    row count, fsyncs and renames the file into place. The writeback of each block is started
-    as soon as it is written (``sync_file_range`` on Linux), so that the closing fsync finds
-    little left to flush. Used by one writer thread only.
+    row count, fsyncs and renames the file into place. Used by one writer thread only.
     """
 
     def __init__(self, path: Path, dtype: np.dtype, row_shape: Tuple[int, ...], max_rows: int) -> None:
@@ -357,15 +355,9 @@ class _ShardFile:
         self.rows = 0
         self._file = open(self.tmp, "wb")
         self._file.seek(self.header_size)
-        self._offset = self.header_size
 
     def append(self, block: np.ndarray) -> None:
-        data = memoryview(np.ascontiguousarray(block)).cast("B")
-        self._file.write(data)
-        self._file.flush()
-        if _START_WRITEBACK is not None:
-            _START_WRITEBACK(self._file.fileno(), self._offset, len(data), os.SYNC_FILE_RANGE_WRITE)
-        self._offset += len(data)
+        self._file.write(memoryview(np.ascontiguousarray(block)).cast("B"))
         self.rows += len(block)
 
     def finish(self) -> None:
@@ -386,11 +378,6 @@ class _ShardFile:
             self.tmp.unlink()
         except OSError:
             pass
-
-
-# starts the writeback of a file range without waiting for it (Linux only; elsewhere the closing
-# fsync writes the whole file)
-_START_WRITEBACK = getattr(os, "sync_file_range", None)
 
 
 class ShardWriter:

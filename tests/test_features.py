@@ -1018,3 +1018,4 @@ def test_an_extraction_that_fails_while_running_marks_its_split_failed(tmp_path:
     assert status["status"] == "failed" and "2 views per sample" in status["error"], status
     with pytest.raises(FeatureShardError, match="failed .*2 views per sample"):
         load_features(out, "train", "heads")
+

@@ -987,7 +987,10 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
     """
     weights_cfg = model_cfg.WEIGHTS_INIT
     path = named_file(weights_cfg.PARAMS_FILE, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
-    data = load_checkpoint(path)
+    try:
+        data = load_checkpoint(path)
+    except CheckpointError as e:  # say which setting names the file
+        raise CheckpointError(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE: {e}") from None
     check_intact(path, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
     weights, layout_mapped = _read_state_dict(data, weights_cfg.STATE_DICT_KEY_NAME, str(path))
     remove, append = weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX

@@ -322,7 +322,7 @@ ROWS: List[Row] = [
                          "config.DATA.TRAIN.LABEL_PATHS=[http://example.org/labels.npy]"),
       ("config.DATA.TRAIN.LABEL_PATHS[0]: http://example.org/labels.npy is a URL",), tool=False),
     R("weights-file-not-torch", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/garbage.torch",),
-      ("{fx}/garbage.torch is not a file written by torch.save (it starts with b'not a ch",), folder="fresh",
+      ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE: checkpoint {fx}/garbage.torch is not a file written by torch.save (it starts with b'not a ch",), folder="fresh",
       tool=False),
     R("checkpoint-dir-is-a-file", ("config.CHECKPOINT.DIR={fx}/garbage.torch",),
       ("config.CHECKPOINT.DIR={fx}/garbage.torch is a file",), tool=False),

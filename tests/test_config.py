@@ -815,9 +815,36 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs(tmp_path):
     load_builtin_parts()
     with pytest.raises(UserError, match=r"unknown transform 'ToTensr' \(config key config.DATA.TEST.TRANSFORMS\[1\].name\)"):
         check_registered_names(compose([QUICK, "config.DATA.TEST.TRANSFORMS=[{name: Resize, size: 8},{name: ToTensr}]"]))
-    # sections of other VISSL tools are named as such
-    with pytest.raises(ConfigError, match=r"config.SVM configures VISSL's SVM benchmark .* which ssl_engine does not provide"):
-        compose([QUICK, "+config.SVM.cost=1"[1:]])
+
+
+def test_sections_of_other_vissl_tools_compose_and_the_warning_names_the_tool(tmp_path, caplog):
+    # VISSL's SVM / low-shot configs carry a section its other tools read; the config still composes
+    path = write_yaml(tmp_path, "svm.yaml", """\
+        # @package _global_
+        defaults:
+          - /config/quick/simclr_synthetic
+          - _self_
+        config:
+          SVM:
+            cls_list: []
+            costs:
+              costs_list: [0.1, 1.0]
+          REPRODUCIBILITY:
+            CUDDN_DETERMINISTIC: true
+        """)
+    with caplog.at_level(logging.WARNING, logger="ssl_engine"):
+        cfg = compose([f"config={path}"])
+    assert cfg.SVM.costs.costs_list == [0.1, 1.0] and cfg.REPRODUCIBILITY.CUDDN_DETERMINISTIC is True
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("config.SVM configures VISSL's SVM benchmark (tools/train_svm.py)" in w and "not acted on" in w
+               for w in warned), warned
+    assert any("config.REPRODUCIBILITY" in w for w in warned), warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ssl_engine"):
+        assert compose([QUICK]).SVM == {}  # not set: no warning
+    assert not [r for r in caplog.records if "SVM" in r.getMessage()]
+    # a key of its own on the command line is added with '+', as anywhere
+    assert compose([QUICK, "+config.SVM.cost=1"]).SVM.cost == 1
 
 
 def test_vissl_overlay_of_a_config_group_file(tmp_path, monkeypatch):

@@ -576,7 +576,11 @@ def _explain_hydra_error(e: Exception) -> str:
     msg = " ".join(str(e).split())
     m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
     if m:
-        return unknown_key_message(m.group(1), flatten_keys(load_defaults()))
+        known = flatten_keys(load_defaults())
+        whole = re.search(r"To append to your config use \+(\S+?)=(.*)$", msg)
+        if m.group(1) in known and whole:
+            return _section_given_whole(m.group(1), whole.group(2), known)
+        return unknown_key_message(m.group(1), known)
     m = re.search(r"Could not delete from config\. '([^']+)' does not exist", msg)
     if m:
         return f"~{m.group(1)} deletes a key the config does not have; " + unknown_key_message(
@@ -593,6 +597,24 @@ def _explain_hydra_error(e: Exception) -> str:
         return mismatch
     msg = msg.split(" Config search path:")[0]
     return f"cannot compose the config: {msg or type(e).__name__}"
+
+
+def _section_given_whole(section: str, value: str, known: List[str]) -> str:
+    """A section set whole on the command line (``config.OPTIMIZER={foo: 1}``) with a key it lacks:
+    name the keys, the closest known ones, and how to add them (hydra only says it cannot override)."""
+    try:
+        given = yaml.safe_load(value)
+    except yaml.YAMLError:
+        given = None
+    new = [str(k) for k in given if f"{section}.{k}" not in known] if isinstance(given, dict) else []
+    if not new:
+        return f"{section}={value} cannot be set whole here; set its keys one at a time ({section}.KEY=value)"
+    children = [k[len(section) + 1:] for k in known if k.startswith(section + ".") and "." not in k[len(section) + 1:]]
+    near = sorted({c for k in new for c in closest(k, children, n=2)})
+    adds = " ".join(f"+{section}.{k}={given[k] if isinstance(given[k], str) else json.dumps(given[k])}" for k in new)
+    return (f"{section}={value} holds {'keys' if len(new) > 1 else 'a key'} {section} does not have: "
+            f"{', '.join(new)}" + (f" (closest: {', '.join(near)})" if near else "")
+            + f"; fix the {'names' if len(new) > 1 else 'name'}, or add {'them' if len(new) > 1 else 'it'} as your own with {adds}")
 
 
 def _explain_type_mismatch(e: Exception) -> Optional[str]:

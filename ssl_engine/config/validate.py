@@ -85,21 +85,32 @@ def nearest_keys(key: str, known: Iterable[str], n: int = 3) -> List[str]:
     return near[:n]
 
 
-# Sections of VISSL configs read by VISSL tools that ssl_engine does not have.
+# Sections of VISSL configs read by VISSL's other tools, or by VISSL features ssl_engine lacks:
+# accepted whole ([compat] in defaults.yaml) and, when a config sets one, named with what reads it
 _OTHER_TOOLS = {
     "config.SVM": "VISSL's SVM benchmark (tools/train_svm.py)",
     "config.LOW_SHOT_BENCHMARK": "VISSL's low-shot benchmark (tools/train_svm_low_shot.py)",
+    "config.CLUSTERFIT": "VISSL's feature clustering for ClusterFit (tools/cluster_features_and_label.py)",
+    "config.IMG_RETRIEVAL": "VISSL's instance retrieval benchmark (tools/instance_retrieval_test.py)",
+    "config.RANKING": "VISSL's feature ranking (tools/extract_feature_and_rank.py)",
+    "config.GEO_LOCALIZATION": "VISSL's geo-localization benchmark (tools/geolocalization_test.py)",
+    "config.DISTILLATION": "VISSL's knowledge distillation",
+    "config.MONITORING": "VISSL's activation and gradient monitoring",
+    "config.REPRODUCIBILITY": "VISSL's reproducibility switches",
 }
+
+
+def not_acted_on_message(key: str) -> str:
+    """The warning for a [compat] key a config sets: the section of another VISSL tool says which."""
+    if key in _OTHER_TOOLS:
+        return (f"config key {key} configures {_OTHER_TOOLS[key]}, which ssl_engine does not provide: the "
+                f"section is not acted on (features for your own benchmark: --engine=extract_features; "
+                f"benchmarks here: tools/nearest_neighbor_test.py and linear evaluation, see README)")
+    return f"config key {key} is accepted for VISSL configs but not acted on by ssl_engine"
 
 
 def unknown_key_message(key: str, known: Iterable[str], added_hint: bool = True) -> str:
     """'unknown config key K (closest: ...)', or the valid keys of its section when none is close."""
-    section = ".".join(key.split(".")[:2])
-    if section in _OTHER_TOOLS:
-        return (
-            f"{section} configures {_OTHER_TOOLS[section]}, which ssl_engine does not provide; remove the "
-            f"section (benchmarks here: tools/nearest_neighbor_test.py and linear evaluation, see README)"
-        )
     known = list(known)
     near = nearest_keys(key, known)
     if near:
@@ -623,7 +634,7 @@ def validate(
     infer_settings(cfg, defaults["config"])
     if warn_unused:
         for key in walker.compat_set:
-            log.warning("config key %s is accepted for VISSL configs but not acted on by ssl_engine", key)
+            log.warning("%s", not_acted_on_message(key))
         warn_unread_dataset_names(cfg, defaults["config"]["DATA"])
         warn_unread_tensorboard_folder(cfg, defaults["config"]["HOOKS"]["TENSORBOARD_SETUP"])
     return AttrDict(cfg)

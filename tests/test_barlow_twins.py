@@ -119,6 +119,33 @@ def test_a_wrong_embedding_dim_stops_before_launch_with_one_line(tmp_path):
     assert not (tmp_path / "a" / "checkpoint.torch").exists()
 
 
+def test_one_image_per_step_stops_before_launch_and_a_last_batch_of_one_is_warned_of(tmp_path):
+    # one image standardised over itself is all zeros: a constant loss and no gradient
+    x = torch.randn(2, 16, requires_grad=True)
+    BarlowTwinsLoss(embedding_dim=16)(x).backward()
+    assert float(x.grad.abs().sum()) == 0.0
+    r = run_tool([QUICK, f"config.CHECKPOINT.DIR={tmp_path / 'a'}", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "error: config.LOSS.name=barlow_twins_loss compares the images of a step with each other and needs at least 2 "
+        "per step; config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=1 x 1 rank(s) gives 1, whose loss has no gradient: raise "
+        "BATCHSIZE_PER_REPLICA"]
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").glob("*.torch"))
+    # 2 ranks of 1 image each make steps of 2: accepted (checked here without launching them)
+    from ssl_engine.config.validate import check_loss_batch
+    from ssl_engine.data import build_dataloader, build_dataset
+
+    cfg = compose([QUICK, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2", "config.DATA.TRAIN.DROP_LAST=false",
+                   "config.DATA.TRAIN.DATA_LIMIT=5"])
+    loss = build_loss(cfg.LOSS)
+    loader = build_dataloader(build_dataset(cfg, "TRAIN"), cfg, "TRAIN", 0, 1, "cpu", check_cpus=False)
+    assert "the last batch of each epoch holds 1 image(s), which barlow_twins_loss gives no gradient" in \
+        check_loss_batch(cfg, loss, loader, 1)
+    assert check_loss_batch(cfg, loss, loader, 2) is None  # a last step of 1 image on each of 2 ranks: 2 images
+    cfg.DATA.TRAIN.DROP_LAST = True
+    assert check_loss_batch(cfg, loss, loader, 1) is None
+
+
 # ----------------------------------------------------------------------------- two ranks
 def _two_rank_worker(rank, init_file, x, weight, out):
     import torch.distributed as dist

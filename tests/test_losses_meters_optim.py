@@ -459,6 +459,12 @@ def test_auto_lr_scaling_follows_vissls_rule_per_schedule_type_and_says_when_it_
     with caplog.at_level("WARNING"):
         assert scale_lr_schedule(geometric, 512)["values"] == pytest.approx([0.6, 0.06, 0.006])
     assert "VISSL's rule" not in caplog.text  # the usual config: the same as scaling it as written
+    # VISSL rounds the values to 8 decimals: small lrs differ from the written shape only by that
+    small = dict(geometric, values=[0.01, 0.001, 0.0001, 0.00001], milestones=[1, 2, 3],
+                 auto_lr_scaling=dict(auto, base_value=0.01))
+    with caplog.at_level("WARNING"):
+        assert scale_lr_schedule(small, 8)["values"] == [0.0003125, 3.125e-05, 3.13e-06, 3.1e-07]
+    assert "VISSL's rule" not in caplog.text
     uneven = dict(geometric, values=[0.3, 0.15, 0.003])
     with caplog.at_level("WARNING"):
         assert scale_lr_schedule(uneven, 512)["values"] == pytest.approx([0.6, 0.3, 0.15])
@@ -729,3 +735,24 @@ def test_optimizer_state_of_other_shapes_or_no_mapping_is_a_checkpoint_error():
         opt.load_state_dict(bad)
     with pytest.raises(CheckpointError, match="optimizer state is a int, not a mapping"):
         opt.load_state_dict({**state, "optimizer": {**state["optimizer"], "state": 5}})
+
+
+@pytest.mark.parametrize("name,views", [("simclr_info_nce_loss", 2), ("multicrop_simclr_info_nce_loss", 4),
+                                        ("barlow_twins_loss", 2)])
+def test_losses_that_compare_the_images_of_a_step_refuse_a_step_of_one_before_launch(name, views):
+    from ssl_engine.config.validate import check_loss_batch
+
+    loss = LOSSES.get(name)(**({"num_crops": views} if "multicrop" in name else
+                               {"embedding_dim": 8} if "barlow" in name else {}))
+    x = torch.randn(views, 8, requires_grad=True)  # one image: its views only
+    loss(x).backward()
+    assert float(x.grad.abs().sum()) == 0.0  # why: nothing to compare it with, no gradient
+    assert loss.min_global_batch == 2
+    cfg = AttrDict({"LOSS": {"name": name}, "DATA": {"TRAIN": {"BATCHSIZE_PER_REPLICA": 1, "DROP_LAST": True}}})
+    with pytest.raises(UserError, match=rf"config.LOSS.name={name} .*TRAIN.BATCHSIZE_PER_REPLICA=1 x 1 rank\(s\) gives 1"):
+        check_loss_batch(cfg, loss, None, 1)
+    assert check_loss_batch(cfg, loss, None, 2) is None  # 2 ranks: steps of 2 images
+    # a loss that takes any batch (cross entropy) is not concerned
+    assert check_loss_batch(AttrDict({"LOSS": {"name": "cross_entropy_multiple_output_single_target"},
+                                      "DATA": cfg.DATA}), build_loss(AttrDict({"name": "cross_entropy_multiple_output_single_target"})),
+                            None, 1) is None

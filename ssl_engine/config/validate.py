@@ -974,6 +974,28 @@ def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any, world_size: in
                                      f"the model's BatchNorm1d layer {layers[0]!r} cannot train on one value per channel")
 
 
+def check_loss_batch(cfg: AttrDict, loss: Any, loader: Any, world_size: int) -> Optional[str]:
+    """A loss that compares the images of a step with each other (``min_global_batch``: Barlow
+    Twins standardises over them, SimCLR takes its negatives from them) gives no gradient to a
+    step of one image: refuse a batch that small before launch; return the warning for a last
+    batch that small (logged once the checks are done: they run with logging silenced)."""
+    need = int(getattr(loss, "min_global_batch", 1))
+    data = cfg.DATA.TRAIN
+    batch = int(data.BATCHSIZE_PER_REPLICA)
+    name = cfg.LOSS.name
+    if batch * world_size < need:
+        raise UserError(
+            f"config.LOSS.name={name} compares the images of a step with each other and needs at least {need} "
+            f"per step; config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={batch} x {world_size} rank(s) gives "
+            f"{batch * world_size}, whose loss has no gradient: raise BATCHSIZE_PER_REPLICA"
+        )
+    last = (len(loader.sampler) % batch) * world_size if loader is not None else 0
+    if need > 1 and not data.DROP_LAST and 0 < last < need:
+        return (f"config.DATA.TRAIN: the last batch of each epoch holds {last} image(s), which {name} gives no "
+                f"gradient; config.DATA.TRAIN.DROP_LAST=true leaves it out")
+    return None
+
+
 def first_samples(datasets: Dict[str, Any]) -> Dict[str, Any]:
     """Each split's first sample, through its transforms (a split whose first sample cannot be
     read is left out: an unreadable image is the run's to report, under its own policy)."""
@@ -1058,10 +1080,13 @@ def check_parts_build(cfg: AttrDict, world_size: int) -> None:
     """
     check_custom_hooks(cfg)
     with _Quiet():
-        _build_parts(cfg, world_size)
+        notes = _build_parts(cfg, world_size)
+    for note in notes or []:
+        log.warning("%s", note)
 
 
-def _build_parts(cfg: AttrDict, world_size: int) -> None:
+def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
+    """The checks of check_parts_build; returns the warnings they found."""
     import torch
 
     from ssl_engine.data import build_dataloader, build_dataset
@@ -1115,8 +1140,12 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
             check_metric_before_launch(build_cfg, meters, splits)
     samples = first_samples(datasets)
     check_samples_batch(samples, loaders)
+    notes: List[Optional[str]] = []
+    if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
+        notes.append(_checked("the batch size against the loss", check_loss_batch, build_cfg, loss, loaders["TRAIN"],
+                              world_size))
     if model is None:
-        return
+        return [n for n in notes if n]
     _checked("the pool ops against the trunk", check_pool_ops_fit, model, samples)
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         check_no_batch_of_one(build_cfg, model, loaders["TRAIN"], world_size)
@@ -1144,3 +1173,4 @@ def _build_parts(cfg: AttrDict, world_size: int) -> None:
         global_bs = build_cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * world_size
         _checked("the optimizer", build_optimizer, build_cfg.OPTIMIZER, model, global_bs, len(loaders["TRAIN"]),
                  max(1, int(build_cfg.DISTRIBUTED.NUM_NODES)))
+    return [n for n in notes if n]

@@ -54,6 +54,9 @@ class BarlowTwinsLoss(ClassyLoss):
         embedding_dim: D, the size of the embeddings (the last head's output); checked.
     """
 
+    #: images per step (all ranks) below which the loss has no gradient; checked before launch
+    min_global_batch = 2
+
     def __init__(self, lambda_: float = 0.0051, scale_loss: float = 0.024, embedding_dim: int = 8192) -> None:
         super().__init__()
         self.lambda_ = _number(lambda_, "lambda_", positive=False)

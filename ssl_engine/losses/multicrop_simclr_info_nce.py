@@ -41,6 +41,9 @@ class MultiCropSimclrInfoNCELoss(ClassyLoss):
             tensors, so no masks are precomputed.
     """
 
+    #: images per step (all ranks) below which the loss has no gradient; checked before launch
+    min_global_batch = 2
+
     def __init__(self, temperature: float = 0.1, num_crops: int = 2,
                  buffer_params: Union[Dict[str, Any], None] = None) -> None:
         super().__init__()

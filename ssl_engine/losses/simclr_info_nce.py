@@ -37,6 +37,9 @@ class SimclrInfoNCELoss(ClassyLoss):
             loss derives the batch layout from the tensors it receives.
     """
 
+    #: images per step (all ranks) below which the loss has no gradient; checked before launch
+    min_global_batch = 2
+
     CONFIG_KEY = "config.LOSS.simclr_info_nce_loss"
 
     def __init__(self, temperature: float = 0.1, buffer_params: Union[Dict[str, Any], None] = None) -> None:

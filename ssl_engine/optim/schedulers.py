@@ -343,10 +343,15 @@ def _scale_as_vissl(cfg: Dict[str, Any], scaled_lr: float, factor: float) -> Non
     _multiply(cfg, factor)
 
 
+#: the largest change VISSL's rounding of multistep values to 8 decimals makes (half a unit of the 8th)
+_VISSL_ROUNDING = 5.01e-9
+
+
 def _warn_reshaped(scaled: Mapping[str, Any], as_written: Mapping[str, Any], key: str) -> None:
     """One warning when VISSL's rule gave other values than scaling the written schedule would."""
     got, kept = _lr_values(scaled), _lr_values(as_written)
-    if len(got) == len(kept) and all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-12) for a, b in zip(got, kept)):
+    # VISSL rounds multistep values to 8 decimals (1.5625e-05 -> 1.562e-05): that is not a reshape
+    if len(got) == len(kept) and all(math.isclose(a, b, rel_tol=1e-5, abs_tol=_VISSL_ROUNDING) for a, b in zip(got, kept)):
         return
     logger.warning(
         "%s.auto_lr_scaling: VISSL's rule gives the lr values %s where scaling the schedule as written gives %s "

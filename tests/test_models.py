@@ -220,11 +220,11 @@ def test_output_heads_name_the_stage_behind_each_output() -> None:
     """The key and class count of the head stage that produces each model output (what a label is
     checked against): the last stage of a chain in training, one head per layer in linear eval."""
     chain = [[["mlp", {"dims": [16, 8]}], ["mlp", {"dims": [8, 5]}]]]
-    assert build(model_config(trunk="mlp", heads=chain)).output_heads() == [("MODEL.HEAD.PARAMS[0][1] (mlp)", 5)]
+    assert build(model_config(trunk="mlp", heads=chain)).output_heads() == [("config.MODEL.HEAD.PARAMS[0][1] (mlp)", 5)]
     two = [["mlp", {"dims": [16, 8]}], ["mlp", {"dims": [8, 3]}]]
-    assert build(model_config(trunk="mlp", heads=two)).output_heads() == [("MODEL.HEAD.PARAMS[1] (mlp)", 3)]
-    assert linear_eval_model().output_heads() == [("MODEL.HEAD.PARAMS[0] (eval_mlp)", 10),
-                                                  ("MODEL.HEAD.PARAMS[1] (eval_mlp)", 10)]
+    assert build(model_config(trunk="mlp", heads=two)).output_heads() == [("config.MODEL.HEAD.PARAMS[1] (mlp)", 3)]
+    assert linear_eval_model().output_heads() == [("config.MODEL.HEAD.PARAMS[0] (eval_mlp)", 10),
+                                                  ("config.MODEL.HEAD.PARAMS[1] (eval_mlp)", 10)]
     assert build(model_config(trunk="mlp")).output_heads() == []
 
 
@@ -388,7 +388,7 @@ def test_head_input_size_unknown_before_the_run_is_named_at_the_first_forward() 
     if "test_plain_trunk" not in TRUNKS:
         TRUNKS.register("test_plain_trunk")(_PlainTrunk)
     model = build(model_config(trunk="test_plain_trunk", heads=[["mlp", {"dims": [16, 8]}], ["mlp", {"dims": [8, 2]}]]))
-    with pytest.raises(UserError, match=r"^MODEL\.HEAD\.PARAMS\[0\] \(mlp\) has dims\[0\]=16 but its input has 6 "
+    with pytest.raises(UserError, match=r"^config\.MODEL\.HEAD\.PARAMS\[0\] \(mlp\) has dims\[0\]=16 but its input has 6 "
                                         r"features per sample \(shape \[2, 6\]\); set dims\[0\] to 6$"):
         model(torch.randn(2, 3, 4, 4))
 
@@ -398,6 +398,6 @@ def test_eval_mlp_input_size_that_depends_on_the_image_size_is_named_at_the_firs
     fe = {"EVAL_MODE_ON": True, "FREEZE_TRUNK_ONLY": True, "LINEAR_EVAL_FEAT_POOL_OPS_MAP": [["res5", ["Identity", []]]]}
     model = build(model_config(18, heads=[["eval_mlp", {"in_channels": 512, "dims": [512, 10]}]], eval_settings=fe))
     assert model(torch.randn(2, 3, 32, 32))[0].shape == (2, 10)  # res5 is 1 x 1 at 32 x 32
-    with pytest.raises(UserError, match=r"^MODEL\.HEAD\.PARAMS\[0\] \(eval_mlp\) has dims\[0\]=512 but its input has "
+    with pytest.raises(UserError, match=r"^config\.MODEL\.HEAD\.PARAMS\[0\] \(eval_mlp\) has dims\[0\]=512 but its input has "
                                         r"2048 features per sample \(shape \[2, 512, 2, 2\]\); set dims\[0\] to 2048$"):
         model(torch.randn(2, 3, 64, 64))

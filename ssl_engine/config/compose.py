@@ -578,8 +578,10 @@ def _explain_hydra_error(e: Exception) -> str:
     if m:
         known = flatten_keys(load_defaults())
         whole = re.search(r"To append to your config use \+(\S+?)=(.*)$", msg)
-        if m.group(1) in known and whole:
-            return _section_given_whole(m.group(1), whole.group(2), known)
+        if whole and m.group(1) in known:
+            explained = _section_given_whole(m.group(1), whole.group(2), known)
+            if explained:
+                return explained
         return unknown_key_message(m.group(1), known)
     m = re.search(r"Could not delete from config\. '([^']+)' does not exist", msg)
     if m:
@@ -599,7 +601,7 @@ def _explain_hydra_error(e: Exception) -> str:
     return f"cannot compose the config: {msg or type(e).__name__}"
 
 
-def _section_given_whole(section: str, value: str, known: List[str]) -> str:
+def _section_given_whole(section: str, value: str, known: List[str]) -> Optional[str]:
     """A section set whole on the command line (``config.OPTIMIZER={foo: 1}``) with a key it lacks:
     name the keys, the closest known ones, and how to add them (hydra only says it cannot override)."""
     try:
@@ -608,7 +610,7 @@ def _section_given_whole(section: str, value: str, known: List[str]) -> str:
         given = None
     new = [str(k) for k in given if f"{section}.{k}" not in known] if isinstance(given, dict) else []
     if not new:
-        return f"{section}={value} cannot be set whole here; set its keys one at a time ({section}.KEY=value)"
+        return None
     children = [k[len(section) + 1:] for k in known if k.startswith(section + ".") and "." not in k[len(section) + 1:]]
     near = sorted({c for k in new for c in closest(k, children, n=2)})
     adds = " ".join(f"+{section}.{k}={given[k] if isinstance(given[k], str) else json.dumps(given[k])}" for k in new)

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 Batch = Union[torch.Tensor, Sequence[torch.Tensor]]
 
-HEAD_KEY = "MODEL.HEAD.PARAMS"
+HEAD_KEY = "config.MODEL.HEAD.PARAMS"
 
 
 def _eval_settings(model_config: AttrDict) -> Dict[str, Any]:
@@ -349,7 +349,7 @@ class SSLModel(nn.Module):
                 image = "x".join(str(d) for d in first.shape[2:]) if first.ndim > 2 else "?"
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 raise UserError(
-                    f"config.{POOL_OPS_KEY}[{idx}]: {op} does not fit trunk layer "
+                    f"{POOL_OPS_KEY}[{idx}]: {op} does not fit trunk layer "
                     f"{layer!r} of {list(feat.shape[1:])} (input images {image}): {reason}; use a pool op that fits "
                     f"that size (e.g. AdaptiveAvgPool2d with the output size you want), or larger images"
                 ) from None
@@ -466,7 +466,7 @@ def convert_sync_batchnorm(
     try:
         group_size = int(group_size)
     except (TypeError, ValueError):
-        raise UserError(f"MODEL.SYNC_BN_CONFIG.GROUP_SIZE={group_size!r} must be an integer") from None
+        raise UserError(f"config.MODEL.SYNC_BN_CONFIG.GROUP_SIZE={group_size!r} must be an integer") from None
     process_group = None
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
@@ -476,7 +476,7 @@ def convert_sync_batchnorm(
         if 0 < group_size < world:
             if world % group_size:
                 raise UserError(
-                    f"MODEL.SYNC_BN_CONFIG.GROUP_SIZE={group_size} must divide the world size {world}"
+                    f"config.MODEL.SYNC_BN_CONFIG.GROUP_SIZE={group_size} must divide the world size {world}"
                 )
             process_group, _ = dist.new_subgroups(group_size=group_size)
     return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)

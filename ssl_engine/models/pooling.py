@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ssl_engine.errors import UserError, did_you_mean
 
-POOL_OPS_KEY = "MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP"
+POOL_OPS_KEY = "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP"
 
 
 def _as_tuple(value: Any) -> Any:

@@ -243,7 +243,7 @@ class SelfSupervisionTask(ClassyTask):
         if not amp.USE_AMP:
             return
         if amp.AMP_TYPE == "apex":
-            log.warning("MODEL.AMP_PARAMS.AMP_TYPE=apex runs as torch native AMP (apex is not used)")
+            log.warning("config.MODEL.AMP_PARAMS.AMP_TYPE=apex runs as torch native AMP (apex is not used)")
         name = amp.AMP_DTYPE
         if name == "auto":
             name = "float16" if self.device.type == "cuda" else "bfloat16"

@@ -39,7 +39,7 @@ class LinearEvalMLPHead(nn.Module):
         super().__init__()
         if not (isinstance(in_channels, int) and not isinstance(in_channels, bool) and in_channels > 0):
             raise UserError(
-                f"MODEL.HEAD.PARAMS: head 'eval_mlp' needs 'in_channels', a positive integer (the trunk "
+                f"config.MODEL.HEAD.PARAMS: head 'eval_mlp' needs 'in_channels', a positive integer (the trunk "
                 f"layer's channels); got {in_channels!r}"
             )
         self.in_channels = in_channels

@@ -29,7 +29,7 @@ def head_bn_kwargs(model_config: AttrDict) -> Dict[str, float]:
         try:
             out[name] = float(value)
         except (TypeError, ValueError):
-            raise UserError(f"MODEL.HEAD.{key}={value!r} is not a number (e.g. 1e-5 or '1e-5')") from None
+            raise UserError(f"config.MODEL.HEAD.{key}={value!r} is not a number (e.g. 1e-5 or '1e-5')") from None
     return out
 
 
@@ -41,7 +41,7 @@ def check_dims(dims: Any, head: str) -> List[int]:
         and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)
     ):
         raise UserError(
-            f"MODEL.HEAD.PARAMS: head {head!r} needs 'dims', a list of at least two positive integers "
+            f"config.MODEL.HEAD.PARAMS: head {head!r} needs 'dims', a list of at least two positive integers "
             f"(input dim, ..., output dim), e.g. [2048, 128]; got {dims!r}"
         )
     return list(dims)
@@ -50,7 +50,7 @@ def check_dims(dims: Any, head: str) -> List[int]:
 def head_where(head: nn.Module, name: str) -> str:
     """How messages name ``head``: the ``MODEL.HEAD.PARAMS[i]`` entry it was built from (set by the
     model's builder as ``config_key``), or the head's name when it was built by hand."""
-    return getattr(head, "config_key", None) or f"MODEL.HEAD.PARAMS ({name})"
+    return getattr(head, "config_key", None) or f"config.MODEL.HEAD.PARAMS ({name})"
 
 
 def flatten_head_input(batch: Any, expected_dim: int, head: nn.Module, name: str) -> torch.Tensor:
@@ -133,7 +133,7 @@ class MLPHead(nn.Module):
         try:
             factor = float(value)
         except (TypeError, ValueError):
-            raise UserError(f"MODEL.HEAD.PARAMS_MULTIPLIER={value!r} must be a number") from None
+            raise UserError(f"config.MODEL.HEAD.PARAMS_MULTIPLIER={value!r} must be a number") from None
         if factor == 1.0:
             return
         for m in self.modules():

@@ -35,7 +35,7 @@ def _positive_ints(value: Any, key: str, min_len: int, example: str) -> List[int
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
     ):
         raise UserError(
-            f"MODEL.HEAD.PARAMS: head 'swav_head' needs {key!r}, a list of positive integers, e.g. {example}; "
+            f"config.MODEL.HEAD.PARAMS: head 'swav_head' needs {key!r}, a list of positive integers, e.g. {example}; "
             f"got {value!r}"
         )
     return list(value)

@@ -523,6 +523,41 @@ def test_a_label_beyond_a_heads_classes_found_by_the_run_is_one_line(tmp_path):
         assert text in err, err
 
 
+USER_TRUNK = """
+from torch import nn
+from ssl_engine.registry import TRUNKS
+
+
+@TRUNKS.register("my_flat_trunk")
+class MyFlatTrunk(nn.Module):
+    \"\"\"A trunk of the user's own: its output size is known only by running it.\"\"\"
+
+    def __init__(self, model_config, model_name):
+        super().__init__()
+        self.fc = nn.Linear(3 * 32 * 32, 24)
+
+    def forward(self, x, out_feat_keys=None):
+        return [self.fc(x.flatten(1))]
+"""
+
+
+def test_a_head_that_does_not_fit_a_trunk_of_your_own_is_refused_before_launch(tmp_path):
+    """The pre-launch check runs the model on the meta device on the first sample's shape: a
+    head sized for another trunk is one line, and the checkpoint folder is never created."""
+    module = tmp_path / "user_trunk.py"
+    module.write_text(USER_TRUNK)
+    run = tmp_path / "run"
+    args = BASE + [f"config.CHECKPOINT.DIR={run}", f"config.USER_MODULES=[{module}]", "config.MODEL.TRUNK.NAME=my_flat_trunk"]
+    proc = run_tool(args + ["config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,10]}]]"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: config.MODEL.HEAD.PARAMS[0] (mlp) has dims[0]=16 but its input has 24 features per sample "
+        "(shape [2, 24]); set dims[0] to 24"]
+    assert not run.exists()
+    proc = run_tool(args + ["config.MODEL.HEAD.PARAMS=[[mlp,{dims:[24,10]}]]"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp_path, capsys):
     """33 samples in batches of 16 leave a last batch of 1, which BatchNorm cannot train on:
     one line with the arithmetic and DROP_LAST, exit 2 (was a ValueError traceback). A head's

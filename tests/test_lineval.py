@@ -360,7 +360,7 @@ def test_a_pool_op_too_large_for_its_layer_is_one_line_before_launch(tmp_path: P
 def test_the_pool_op_check_before_launch_covers_every_split() -> None:
     """A 2x2 pool on res4 fits 32x32 TRAIN images (res4 2x2) but not 8x8 TEST ones (res4 1x1): the
     check runs the model on each split's image size, not on the first split's alone."""
-    from ssl_engine.config.validate import check_pool_ops_fit
+    from ssl_engine.config.validate import check_model_runs_on_samples
     from ssl_engine.errors import UserError
     from ssl_engine.models import build_model
 
@@ -372,6 +372,6 @@ def test_the_pool_op_check_before_launch_covers_every_split() -> None:
     with torch.device("meta"):
         model = build_model(cfg.MODEL, cfg.OPTIMIZER)
     train = {"data": [torch.zeros(3, 32, 32)]}
-    check_pool_ops_fit(model, {"TRAIN": train})
+    check_model_runs_on_samples(model, {"TRAIN": train})
     with pytest.raises(UserError, match=r"does not fit trunk layer 'res4' of \[256, 1, 1\] \(input images 8x8\)"):
-        check_pool_ops_fit(model, {"TRAIN": train, "TEST": {"data": [torch.zeros(3, 8, 8)]}})
+        check_model_runs_on_samples(model, {"TRAIN": train, "TEST": {"data": [torch.zeros(3, 8, 8)]}})

@@ -1019,15 +1019,15 @@ def check_samples_batch(samples: Dict[str, Any], loaders: Dict[str, Any]) -> Non
             _checked(f"a batch of the {split} data", loader.collate_fn, [sample, sample])
 
 
-def check_pool_ops_fit(model: Any, samples: Dict[str, Any]) -> None:
-    """The LINEAR_EVAL_FEAT_POOL_OPS_MAP ops fit their trunk layers for the data's image size:
-    the model on the meta device runs on a batch of the shape of each split's first sample (the
-    transforms decide it), so a 6x6 kernel over a 2x2 res4 is the model's own one-line error
-    before launch, not after the run has started in its folder."""
+def check_model_runs_on_samples(model: Any, samples: Dict[str, Any]) -> None:
+    """The model takes the data: on the meta device it runs on a batch of the shape of each
+    split's first sample (the transforms decide it), so a head whose input size does not match
+    a trunk of your own, or a LINEAR_EVAL_FEAT_POOL_OPS_MAP op larger than its layer at this image
+    size (a 6x6 kernel over a 2x2 res4), is the model's own one-line error before launch, not
+    after the run has started in its folder. An op without a meta kernel skips the check (the
+    run's first step makes it)."""
     import torch
 
-    if not getattr(model, "feat_layer_names", None):
-        return
     shapes = []
     for sample in samples.values():  # each split: their transforms may give other sizes
         try:
@@ -1146,7 +1146,7 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
                               world_size))
     if model is None:
         return [n for n in notes if n]
-    _checked("the pool ops against the trunk", check_pool_ops_fit, model, samples)
+    _checked("the model on the data's first samples", check_model_runs_on_samples, model, samples)
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         check_no_batch_of_one(build_cfg, model, loaders["TRAIN"], world_size)
     check_model = getattr(loss, "check_model", None)

@@ -1219,6 +1219,9 @@ def test_an_override_into_a_list_entry_names_the_entry_or_the_valid_indices(tmp_
     assert str(e.value) == ("config.DATA.TRAIN.TRANSFORMS.1.ratio: entry 1 of config.DATA.TRAIN.TRANSFORMS (name "
                             "RandomResizedCrop) has no option 'ratio' to change; add it with "
                             "+config.DATA.TRAIN.TRANSFORMS.1.ratio=<value>")
+    with pytest.raises(ConfigError) as e:  # a misspelt option of the entry: the entry's options are the hint
+        compose([f"config={path}", "config.DATA.TRAIN.TRANSFORMS.1.sise=24"], warn_unused=False)
+    assert "has no option 'sise' to change (closest: size); add it with" in str(e.value)
     cfg = compose([f"config={path}", "+config.DATA.TRAIN.TRANSFORMS.1.ratio=[0.5,1.0]"], warn_unused=False)
     assert cfg.DATA.TRAIN.TRANSFORMS[1]["ratio"] == [0.5, 1.0]
     for index in ("9", "x"):  # was hydra's "Error merging override ..." / "Index 'x' (str) is not an int"

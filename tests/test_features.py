@@ -482,6 +482,8 @@ def test_extraction_with_one_and_two_ranks_gives_the_same_features(pretrained: P
     status = extraction_status(two, "TRAIN")
     weights = status.pop("weights")  # the checkpoint the folder's pointer names, with its size and time
     assert weights.startswith(f"{(pretrained / 'checkpoint.torch').resolve()} (") and " bytes, modified " in weights
+    # the time is a date a reader can read, to the nanosecond (two saves in one second differ)
+    assert re.search(r" bytes, modified 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\.\d{9} UTC\)$", weights), weights
     assert status == {"status": "complete", "split": "train", "samples": 101,
                       "layers": {"res5avg": {"shape": [512], "dtype": "float32"}},
                       "label_type": "standard"}  # digits: no class folders, no names

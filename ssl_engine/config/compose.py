@@ -777,9 +777,11 @@ def _explain_override_into_a_value(hydra_overrides: List[str], command_line: Lis
             if isinstance(node, list):  # an entry of a list (TRANSFORMS.1.size): the part is its index
                 node = _list_entry(node, ".".join(parts[:depth]), part, key)
                 if isinstance(node, dict) and depth == len(parts) - 2 and parts[-1] not in node:
+                    near = closest(parts[-1], [str(k) for k in node if k != "name"], n=2)
                     raise ConfigError(
                         f"{key}: entry {part} of {'.'.join(parts[:depth])} ({_entry_name(node)}) has no option "
-                        f"{parts[-1]!r} to change; add it with +{key.lstrip('+')}=<value>"
+                        f"{parts[-1]!r} to change" + (f" (closest: {', '.join(near)})" if near else "")
+                        + f"; add it with +{key.lstrip('+')}=<value>"
                     )
                 continue
             node = node.get(part) if isinstance(node, dict) else None

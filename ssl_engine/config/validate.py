@@ -273,7 +273,8 @@ class _Walker:
             kpath = f"{path}.{key}" if path else str(key)
             if key not in default:
                 if any(kpath == a or kpath.startswith(a + ".") or a.startswith(kpath + ".") for a in self.added):
-                    log.warning("config key %s is not a known option; added as asked with '+'", kpath)
+                    log.warning("config key %s is not a known option; added as asked (with '+', or on a yaml file's "
+                                "'# added keys:' line)", kpath)
                     out[key] = value
                 elif path in _OPEN_PARENTS and isinstance(value, dict) and not _near_miss(str(key), default):
                     out[key] = value  # options of a user-registered trunk/loss/meter, checked by its owner

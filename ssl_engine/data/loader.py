@@ -220,7 +220,8 @@ def check_num_workers(num_workers: int, cpus: Optional[int] = None) -> None:
     if num_workers > limit:
         raise UserError(
             f"config.DATA.NUM_DATALOADER_WORKERS={num_workers} is more loader workers per rank than this machine "
-            f"({cpus} CPUs) can start: at most {limit} (max(64, 8 x CPUs)); about the CPUs per rank is usual"
+            f"({cpus} CPUs) can start: at most {limit} (max(64, 8 x CPUs)); a usual choice is about as many as the "
+            f"CPUs per rank"
         )
 
 

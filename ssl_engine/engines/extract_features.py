@@ -153,7 +153,9 @@ def weights_identity(source: str, seed: int) -> str:
     path = Path(source).expanduser()
     try:
         st = path.stat()
-        return f"{path.resolve()} ({st.st_size} bytes, modified {st.st_mtime_ns})"
+        seconds, nanoseconds = divmod(st.st_mtime_ns, 10**9)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{nanoseconds:09d} UTC"
+        return f"{path.resolve()} ({st.st_size} bytes, modified {when})"
     except OSError:
         return str(path)
 

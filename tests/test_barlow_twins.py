@@ -101,7 +101,7 @@ def test_loss_errors_name_the_key():
     model = build_model(cfg.MODEL)
     BarlowTwinsLoss(embedding_dim=64).check_model(model)
     with pytest.raises(UserError, match=r"embedding_dim=32 does not match the embedding size dims\[-1\]=64 of "
-                                        r"MODEL\.HEAD\.PARAMS\[1\] \(mlp\)"):
+                                        r"config\.MODEL\.HEAD\.PARAMS\[1\] \(mlp\)"):
         BarlowTwinsLoss(embedding_dim=32).check_model(model)
 
 

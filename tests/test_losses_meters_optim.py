@@ -445,8 +445,11 @@ def test_schedule_errors_are_user_errors():
         build_param_scheduler(bad, 10)
     with pytest.raises(UserError, match="milestones"):
         build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[3, 6]), 10)
-    with pytest.raises(UserError, match="num_epochs=2"):  # VISSL's default milestones on a short run
+    with pytest.raises(UserError, match=r"num_epochs=2; raise config\.OPTIMIZER\.num_epochs above 60 or give "
+                                         r"milestones below 2"):  # VISSL's default milestones on a short run: the fix
         build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[30, 60]), 2)
+    with pytest.raises(UserError, match=r"increasing epochs in \(0, 10\) for config\.OPTIMIZER\.num_epochs=10$"):
+        build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[6, 3]), 10)
     with pytest.raises(UserError, match="update_interval"):
         build_optimizer(opt_cfg(param_schedulers={"lr": lr_cfg(update_interval="iter")}), nn.Linear(2, 2), 8, 1)
 

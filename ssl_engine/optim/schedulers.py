@@ -159,6 +159,8 @@ def build_param_scheduler(cfg: Mapping[str, Any], num_epochs: int, where: str = 
                     raise UserError(
                         f"{where}.milestones={ms} must be increasing epochs in (0, {num_epochs}) "
                         f"for config.OPTIMIZER.num_epochs={num_epochs}"
+                        + (f"; raise config.OPTIMIZER.num_epochs above {max(ms)} or give milestones below "
+                           f"{num_epochs}" if ms and ms[-1] >= num_epochs else "")
                     )
             return MultiStepParamScheduler(
                 values=values,

@@ -571,7 +571,8 @@ def test_transform_errors_are_user_errors() -> None:
     with pytest.raises(UserError, match="'name'"):
         build_transform({"size": 3})
     ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "Normalize", "mean": [0.5] * 3, "std": [0.5] * 3}]), "TRAIN")
-    with pytest.raises(UserError, match=r"TRANSFORMS\[0\] \(Normalize\) failed"):
+    with pytest.raises(UserError, match=r"TRANSFORMS\[0\] \(Normalize with mean=\[0.5, 0.5, 0.5\], std=\[0.5, 0.5, 0.5\]\) "
+                                        r"failed"):
         ds[0]
     ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor"}, {"name": "ImgPilGaussianBlur"}]), "TRAIN")
     with pytest.raises(UserError, match=r"TRANSFORMS\[1\] \(ImgPilGaussianBlur\).*before ToTensor"):
@@ -580,10 +581,15 @@ def test_transform_errors_are_user_errors() -> None:
     # inside torch) or in the constructor (a one-value RandomResizedCrop scale: an IndexError)
     ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor"}, {"name": "Normalize", "mean": [0.5] * 2,
                                                                    "std": [0.5] * 3}]), "TRAIN")
-    with pytest.raises(UserError, match=r"TRANSFORMS\[1\] \(Normalize\) failed on data entry 0.*size of tensor"):
+    # the message gives the entry's settings as given: the value to fix is on the line
+    with pytest.raises(UserError, match=r"TRANSFORMS\[1\] \(Normalize with mean=\[0.5, 0.5\], std=\[0.5, 0.5, 0.5\]\) "
+                                        r"failed on data entry 0.*size of tensor.*; check its settings$"):
         ds[0]
     with pytest.raises(UserError, match=r"TRANSFORMS\[0\].*RandomResizedCrop"):
         SSLTransformsWrapper([{"name": "RandomResizedCrop", "size": 4, "scale": [0.5]}], "config.DATA.TRAIN.TRANSFORMS")
+    ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "RandomHorizontalFlip", "p": "abc"}]), "TRAIN")
+    with pytest.raises(UserError, match=r"TRANSFORMS\[0\] \(RandomHorizontalFlip with p='abc'\) failed on data entry 0"):
+        ds[0]
 
 
 def test_replicate_then_indices_and_label_replication() -> None:

@@ -27,6 +27,7 @@ from ssl_engine.config.validate import (
     is_older_layout_key,
     keys_set_at_new_places,
     keys_beyond_defaults,
+    nearest_keys,
     unknown_key_message,
     validate,
 )
@@ -651,6 +652,26 @@ def _is_option_of_free_form_section(key: str) -> bool:
     return any(key == s or key.startswith(s + ".") for s in _FREE_FORM_SECTIONS)
 
 
+def _check_top_level(key: str) -> None:
+    """An override's first part is a top-level key: ``LOG_FREQUENCY=2`` (or ``+LOG_FREQUENCY=2``,
+    which hydra would add beside ``config`` where nothing reads it) names the option it meant."""
+    top = key.split(".", 1)[0]
+    if top in _TOP_LEVEL:
+        return
+    known = flatten_keys(load_defaults())
+    rest = key.split(".", 1)[1] if "." in key and top.lower() == "config" else key
+    meant = f"config.{rest}"
+    tops = ", ".join(k for k in _TOP_LEVEL if k != "hydra")
+    if meant in known:
+        raise ConfigError(f"{key}: {top!r} is not a top-level key; the engine's options are under config.: "
+                          f"did you mean {meant}=...?")
+    near = nearest_keys(meant, known)
+    raise ConfigError(
+        f"{key}: {top!r} is not a top-level key (those are: {tops}); the engine's options are under config., "
+        f"as in config.LOG_FREQUENCY=10" + (f" (closest: {', '.join(near)})" if near else "")
+    )
+
+
 def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> AttrDict:
     """Compose, validate and return the config (the ``config:`` node plus ``engine_name``).
 
@@ -678,6 +699,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 continue
             _check_list_entry_key(key)
             _check_override_grammar(item)
+            _check_top_level(key.lstrip("+~"))
             if key.startswith("~"):
                 hydra_overrides.append(item)
                 continue

@@ -355,6 +355,10 @@ _RANGES = [
      "a list of one or more integers > 0 (the k of each top-k accuracy, e.g. [1, 5])"),
     ("SEED_VALUE", lambda v: 0 <= v < 2**62, "an integer in [0, 2**62)"),
     ("CHECKPOINT.DIR", lambda v: v.strip() != "", "a folder path (not empty)"),
+    # clip_grad_norm_ with a negative norm flips the gradients (ascent), with 0 it zeroes them
+    ("MODEL.GRAD_CLIP.MAX_NORM", lambda v: 0 < v < math.inf, "a number > 0"),
+    ("MODEL.GRAD_CLIP.NORM_TYPE", lambda v: v > 0, "a number > 0, or inf (the largest absolute gradient)"),
+    ("DISTRIBUTED.BACKEND", lambda v: v in ("nccl", "gloo"), "one of nccl, gloo (gloo is used on cpu)"),
 ]
 
 
@@ -998,13 +1002,17 @@ def check_loss_batch(cfg: AttrDict, loss: Any, loader: Any, world_size: int) -> 
 
 
 def first_samples(datasets: Dict[str, Any]) -> Dict[str, Any]:
-    """Each split's first sample, through its transforms (a split whose first sample cannot be
-    read is left out: an unreadable image is the run's to report, under its own policy)."""
+    """Each split's first sample, through its transforms. A UserError the run would raise on it
+    (a transform whose settings fail on an image, no readable image under the split's
+    ON_CORRUPT_IMAGE policy) is raised here, before launch; a split whose first sample fails
+    otherwise is left out, for the run to report with its traceback."""
     samples = {}
     for split, dataset in datasets.items():
         try:
             if len(dataset):
                 samples[split] = dataset[0]
+        except UserError:
+            raise
         except Exception:  # noqa: BLE001
             continue
     return samples
@@ -1056,9 +1064,12 @@ def check_custom_hooks(cfg: AttrDict) -> None:
     import inspect
 
     from ssl_engine.errors import UserError
+    from ssl_engine.hooks.base import parse_priority
     from ssl_engine.registry import HOOKS
 
-    for entry in cfg.HOOKS.CUSTOM:
+    for i, entry in enumerate(cfg.HOOKS.CUSTOM):
+        if entry.get("priority") is not None:
+            parse_priority(entry["priority"], f"config.HOOKS.CUSTOM[{i}].priority")
         cls = HOOKS.get(entry["name"])
         params = dict(entry.get("params") or {})
         try:
@@ -1080,6 +1091,11 @@ def check_parts_build(cfg: AttrDict, world_size: int) -> None:
     traceback.
     """
     check_custom_hooks(cfg)
+    if cfg.engine_name == "train":
+        from ssl_engine.hooks import default_hooks
+
+        with _Quiet():
+            _checked("the hooks", default_hooks, cfg, custom=False)  # their settings (EMA decay, PreciseBN batches...)
     with _Quiet():
         notes = _build_parts(cfg, world_size)
     for note in notes or []:

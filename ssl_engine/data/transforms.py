@@ -347,6 +347,12 @@ class SSLTransformsWrapper:
         self.transforms: List[Tuple[str, Any, Optional[List[int]]]] = [
             build_transform(spec, f"{config_key}[{i}]") for i, spec in enumerate(specs)
         ]
+        # each entry's settings as given, for the error of a transform that fails on an image
+        self._settings = [
+            " with " + ", ".join(f"{k}={v!r}" for k, v in spec.items() if k not in ("name", "indices"))
+            if isinstance(spec, dict) and len(set(spec) - {"name", "indices"}) else ""
+            for spec in specs
+        ]
 
     def __len__(self) -> int:
         return len(self.transforms)
@@ -384,7 +390,7 @@ class SSLTransformsWrapper:
                 try:
                     views = transform([data[i] for i in targets])
                 except (TypeError, ValueError, IndexError, RuntimeError) as exc:
-                    raise UserError(f"{self.config_key}[{pos}] ({name}): {exc}") from exc
+                    raise UserError(f"{self.config_key}[{pos}] ({name}{self._settings[pos]}): {exc}") from exc
                 for i, view in zip(targets, views):
                     data[i] = view
                 continue
@@ -394,8 +400,8 @@ class SSLTransformsWrapper:
                 # values that fail only on an image, e.g. Normalize's mean against the channels
                 except (TypeError, ValueError, IndexError, RuntimeError) as exc:
                     raise UserError(
-                        f"{self.config_key}[{pos}] ({name}) failed on data entry {i} "
-                        f"({type(data[i]).__name__}): {exc}"
+                        f"{self.config_key}[{pos}] ({name}{self._settings[pos]}) failed on data entry {i} "
+                        f"({type(data[i]).__name__}): {exc}; check its settings"
                     ) from exc
             if getattr(transform, "sets_label", False):
                 self._set_labels(sample, outputs)

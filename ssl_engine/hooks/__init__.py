@@ -31,7 +31,7 @@ from ssl_engine.registry import HOOKS
 def custom_hooks(cfg: AttrDict) -> List[Any]:
     """HOOKS.CUSTOM: registered hooks named in yaml, with an optional priority and params."""
     out = []
-    for entry in cfg.HOOKS.CUSTOM:
+    for i, entry in enumerate(cfg.HOOKS.CUSTOM):
         cls = HOOKS.get(entry["name"])
         params = dict(entry.get("params") or {})
         try:
@@ -41,13 +41,17 @@ def custom_hooks(cfg: AttrDict) -> List[Any]:
 
             raise UserError(f"config.HOOKS.CUSTOM hook {entry['name']!r}: bad params {params}: {e}") from None
         if "priority" in entry and entry["priority"] is not None:
-            hook.priority = parse_priority(entry["priority"])
+            hook.priority = parse_priority(entry["priority"], f"config.HOOKS.CUSTOM[{i}].priority")
         out.append(hook)
     return out
 
 
-def default_hooks(cfg: AttrDict) -> List[Any]:
-    """The hooks a training run uses, from the config (docs/hooks.md lists them with their keys)."""
+def default_hooks(cfg: AttrDict, custom: bool = True) -> List[Any]:
+    """The hooks a training run uses, from the config (docs/hooks.md lists them with their keys).
+
+    Building them has no side effect (files are opened at the run's start), so the tool builds
+    them once before launch to check their settings (``custom=False``: HOOKS.CUSTOM hooks are
+    user code, only their params are checked there)."""
     H = cfg.HOOKS
     folder = Path(cfg.CHECKPOINT.DIR)
     writers: List[Any] = [ConsoleWriter(), JsonLinesWriter(folder / "stdout.json")]
@@ -102,7 +106,8 @@ def default_hooks(cfg: AttrDict) -> List[Any]:
         hooks.append(SwAVHook(cfg.LOSS.swav_loss.normalize_last_layer))
     if cfg.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP:
         hooks.append(TempFrozenParamsHook(cfg.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP))
-    hooks += custom_hooks(cfg)
+    if custom:
+        hooks += custom_hooks(cfg)
     return order_hooks(hooks)
 
 

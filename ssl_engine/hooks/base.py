@@ -36,8 +36,8 @@ class Priority(IntEnum):
     VERY_LOW = 90
 
 
-def parse_priority(value: Union[str, int, "Priority"]) -> int:
-    """A priority name (any case) or an int 0-100."""
+def parse_priority(value: Union[str, int, "Priority"], key: str = "hook priority") -> int:
+    """A priority name (any case) or an int 0-100 (``key``: where the value was given, for the error)."""
     if isinstance(value, str):
         try:
             return int(Priority[value.upper()])
@@ -45,12 +45,12 @@ def parse_priority(value: Union[str, int, "Priority"]) -> int:
             from ssl_engine.errors import UserError
 
             raise UserError(
-                f"hook priority {value!r} is not valid: use one of {', '.join(p.name for p in Priority)} or an int 0-100"
+                f"{key}={value!r} is not valid: use one of {', '.join(p.name for p in Priority)} or an int 0-100"
             ) from None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= int(value) <= 100:
         from ssl_engine.errors import UserError
 
-        raise UserError(f"hook priority {value!r} is not valid: use a name or an int 0-100")
+        raise UserError(f"{key}={value!r} is not valid: use a priority name or an int 0-100")
     return int(value)
 
 

@@ -54,8 +54,11 @@ class EMAModelHook(SSLHook):
         if not 0.0 <= float(decay) <= 1.0:
             raise UserError(f"config.HOOKS.EMA_MODEL.DECAY={decay!r} must be in [0, 1]")
         self.decay = float(decay)
-        self.every_n_iters = max(1, int(every_n_iters))
-        self.warmup_iters = max(0, int(warmup_iters))
+        for key, value, least in (("UPDATE_ITER", every_n_iters, 1), ("WARMUP_ITERATIONS", warmup_iters, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise UserError(f"config.HOOKS.EMA_MODEL.{key}={value!r} must be an integer >= {least}")
+        self.every_n_iters = int(every_n_iters)
+        self.warmup_iters = int(warmup_iters)
         self.eval_test_phases = bool(eval_test_phases)
         if device not in ("gpu", "cpu"):
             raise UserError(f"config.HOOKS.EMA_MODEL.EMA_DEVICE={device!r} must be gpu (the model's device) or cpu")

@@ -18,6 +18,7 @@ import torch.nn as nn
 from fvcore.nn.precise_bn import get_bn_modules, update_bn_stats
 
 from ssl_engine import distributed as du
+from ssl_engine.errors import UserError
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.registry import HOOKS
 
@@ -62,8 +63,12 @@ class PreciseBNHook(SSLHook):
 
     def __init__(self, num_iters: int = 200, every_n_phases: int = 1) -> None:
         super().__init__()
+        for key, value in (("NUM_ITERATIONS", num_iters), ("EVERY_N_PHASES", every_n_phases)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                # 0 batches would leave every BatchNorm with zero mean and variance
+                raise UserError(f"config.HOOKS.PRECISE_BN.{key}={value!r} must be an integer >= 1")
         self.num_iters = int(num_iters)
-        self.every_n_phases = max(1, int(every_n_phases))
+        self.every_n_phases = int(every_n_phases)
         self.runs = 0  # how many times the statistics were recomputed (this process)
 
     def _due(self, task: Any) -> bool:

@@ -19,7 +19,7 @@ from ssl_engine.registry import LOSSES
 Outputs = Union[torch.Tensor, Sequence[torch.Tensor]]
 Target = Union[torch.Tensor, Sequence[torch.Tensor]]
 
-_REDUCTIONS = ("mean", "sum", "none")
+_REDUCTIONS = ("mean", "sum")
 
 
 def as_output_list(output: Outputs) -> List[torch.Tensor]:
@@ -52,6 +52,9 @@ def as_class_target(target: Target) -> torch.Tensor:
 
 
 def _check_reduction(reduction: str, key: str) -> str:
+    if reduction == "none":  # F.cross_entropy's per-sample losses: backward needs one number
+        raise UserError(f"{key}='none' gives one loss per sample, but training needs one number to "
+                        f"minimise; use mean (the default) or sum")
     if reduction not in _REDUCTIONS:
         raise UserError(f"{key}={reduction!r} is not a valid reduction; use one of {', '.join(_REDUCTIONS)}")
     return reduction
@@ -63,7 +66,7 @@ class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
 
     Args:
         weight: optional per-class weights (kept as a buffer so it follows ``.to(device)``).
-        reduction: 'mean' | 'sum' | 'none', per head, as in ``F.cross_entropy``.
+        reduction: 'mean' | 'sum', per head, as in ``F.cross_entropy`` ('none' is refused: it is not one number).
         ignore_index: label value that contributes no loss.
         normalize_output: L2-normalise each output row before the temperature (cosine
             classifier logits).
@@ -95,6 +98,20 @@ class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
         else:
             self.register_buffer("weight", torch.as_tensor(list(weight), dtype=torch.float32))
 
+    def _check_weight(self, classes: int) -> None:
+        if self.weight is not None and self.weight.numel() != classes:
+            raise UserError(
+                f"{self.CONFIG_KEY}.weight has {self.weight.numel()} entries but the head scores {classes} "
+                f"classes: give one weight per class, or null for equal weights"
+            )
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Before launch: ``weight`` has one entry per class of each head the config sizes."""
+        output_sizes = getattr(model, "output_sizes", None)
+        for size in (output_sizes() if callable(output_sizes) else None) or []:
+            if size is not None:
+                self._check_weight(size)
+
     @classmethod
     def from_config(cls, loss_config: AttrDict) -> "CrossEntropyMultipleOutputSingleTargetLoss":
         """Build from ``config.LOSS.cross_entropy_multiple_output_single_target``."""
@@ -118,7 +135,10 @@ class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
                 logits = F.normalize(logits, dim=1, p=2)
             if self.temperature != 1.0:
                 logits = logits / self.temperature
-            weight = self.weight.to(logits.device) if self.weight is not None else None
+            weight = None
+            if self.weight is not None:
+                self._check_weight(int(logits.shape[1] if logits.ndim > 1 else logits.shape[0]))
+                weight = self.weight.to(logits.device)
             loss = F.cross_entropy(logits, target, weight=weight, ignore_index=self.ignore_index, reduction=self.reduction)
             total = loss if total is None else total + loss
         return total

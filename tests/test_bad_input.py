@@ -65,6 +65,7 @@ class Row(NamedTuple):
 
 
 R = Row
+WORKERS_BEYOND = max(64, 8 * (os.cpu_count() or 1)) + 1
 ROWS: List[Row] = [
     # -- keys, types, ranges (the config alone) ---------------------------------------------------
     R("unknown-key", ("config.OPTIMIZER.num_epoch=3",),
@@ -316,6 +317,10 @@ ROWS: List[Row] = [
       ("config.DISTRIBUTED.BACKEND='mpi'", "one of nccl, gloo"), folder="fresh", tool=False),
     R("transform-setting-fails-on-an-image", ("config.DATA.TRAIN.TRANSFORMS.0.size=-5",),
       ("config.DATA.TRAIN.TRANSFORMS[0] (RandomResizedCrop with size=-5", "check its settings"), folder="fresh"),
+    # one more than this machine's limit, max(64, 8 x CPUs) (within the absolute 1024 up to 127 CPUs)
+    R("loader-workers-beyond-this-machine", (f"config.DATA.NUM_DATALOADER_WORKERS={WORKERS_BEYOND}",),
+      (f"config.DATA.NUM_DATALOADER_WORKERS={WORKERS_BEYOND} is more loader workers per rank than this machine",),
+      folder="fresh", tool=False),
     R("top-level-key-added-with-plus", ("+LOG_FREQUENCY=1",),
       ("'LOG_FREQUENCY' is not a top-level key", "did you mean config.LOG_FREQUENCY=...?"), folder="fresh"),
     R("unknown-lr-schedule", ("config.OPTIMIZER.param_schedulers.lr.name=cosin",),

@@ -1145,6 +1145,10 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
             )
     if data_errors:
         raise UserError("; and ".join(data_errors))
+    if loaders and not cfg.SLURM.USE_SLURM:  # the ranks start on this machine (each node runs the tool itself)
+        from ssl_engine.data.loader import check_num_workers
+
+        check_num_workers(int(build_cfg.DATA.NUM_DATALOADER_WORKERS))
     with torch.device("meta"):
         model = _checked("the model", build_model, build_cfg.MODEL, build_cfg.OPTIMIZER)
         loss = _checked("the loss", build_loss, build_cfg.LOSS)

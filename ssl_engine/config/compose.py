@@ -689,6 +689,12 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
         for item in overrides:
             key, value = _split_override(item)
             if key == "config":
+                if experiment is not None:  # hydra would take the last one without a word
+                    raise ConfigError(
+                        f"config= is given twice ({experiment}, {value}): name one experiment file; add the "
+                        f"files of a group over it with +config/<group>=<name>, or list one file in the other's "
+                        f"'defaults:'"
+                    )
                 experiment = value
                 continue
             if key.startswith("+config/"):

@@ -462,6 +462,10 @@ def _resolve_overlay(group: str, value: str) -> Tuple[str, Path]:
     over the experiment (VISSL's way of adding e.g. feature_extraction/trunk_only=rn50_layers)."""
     name = value.strip()
     name = name[:-5] if name.endswith(".yaml") else name
+    if ".." in Path(group).parts or ".." in Path(name).parts:  # hydra cannot name such a group either
+        raise ConfigError(f"+{group}={value}: a config group is a folder of the config search path, without '..'; "
+                          f"for a yaml file elsewhere use config=/path/to/file.yaml, or list it in a file's "
+                          f"'defaults:', or set SSL_ENGINE_CONFIG_DIR to a folder holding config/<group>/<name>.yaml")
     for d in config_search_dirs():
         f = d / group / f"{name}.yaml"
         if f.is_file():

@@ -693,13 +693,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
         for item in overrides:
             key, value = _split_override(item)
             if key == "config":
-                if experiment is not None:  # hydra would take the last one without a word
-                    raise ConfigError(
-                        f"config= is given twice ({experiment}, {value}): name one experiment file; add the "
-                        f"files of a group over it with +config/<group>=<name>, or list one file in the other's "
-                        f"'defaults:'"
-                    )
-                experiment = value
+                experiment = value  # the last config= wins, as with hydra (a script's default, then the user's)
                 continue
             if key.startswith("+config/"):
                 option, overlay = _resolve_overlay(key[1:], value)

@@ -862,24 +862,28 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
     for p in candidates:
         if not p.exists():
             continue
-        try:
-            data = load_checkpoint(p)
-            damaged = damaged_record(p)
-        except CheckpointError as e:
-            log.warning("skipping checkpoint %s: %s", p.name, e)
-            continue
-        if damaged:
-            log.warning("skipping checkpoint %s: it %s", p.name, damaged)
-            continue
-        if not is_engine_checkpoint(data):
-            log.warning("skipping %s: not an ssl_engine checkpoint", p.name)
-            continue
-        problem = state_problem(data)
+        problem, data = checkpoint_problem(p)
         if problem:
             log.warning("skipping checkpoint %s: %s", p.name, problem)
             continue
         return p, data
     return None
+
+
+def checkpoint_problem(path: Path) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    """(why the run cannot resume from ``path``, None) or (None, its content): the file loads,
+    its stored checksums match its bytes, and it holds an ssl_engine training state."""
+    try:
+        data = load_checkpoint(path)
+        damaged = damaged_record(path)
+    except CheckpointError as e:
+        return str(e), None
+    if damaged:
+        return f"it {damaged}", None
+    if not is_engine_checkpoint(data):
+        return "not an ssl_engine checkpoint", None
+    problem = state_problem(data)
+    return (problem, None) if problem else (None, data)
 
 
 # ----------------------------------------------------------------------------------------

@@ -445,6 +445,28 @@ def test_finished_run_is_not_retrained(setup, reference, tmp_path):
     assert not changed, changed
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_finished_runs_damaged_final_checkpoint_is_written_again(setup, reference, tmp_path, damage):
+    """A final checkpoint damaged after the run (a half copy, a disk) does not make the folder a
+    finished run: the rerun says so, goes on from the newest good checkpoint and writes the final
+    checkpoint again, equal to the uninterrupted run's (was: "has finished", exit 0, and the
+    pointer left on the broken file that PARAMS_FILE=<folder>/checkpoint.torch then refuses)."""
+    root, cfg = setup
+    folder = tmp_path / "finished"
+    shutil.copytree(reference[0], folder, symlinks=True)
+    final = folder / f"model_final_checkpoint_phase{EPOCHS - 1}.torch"
+    final.write_bytes(final.read_bytes()[:1000] if damage == "truncated" else b"")
+    r = run(cfg, folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert f"{final.name} cannot be used" in out and "the run is not finished after all" in out, out[-3000:]
+    assert "has finished" not in out
+    assert os.readlink(folder / "checkpoint.torch") == final.name
+    assert_bitwise_equal(tensors_of(reference[0] / final.name), tensors_of(final))
+    r = run(cfg, folder)  # now it is finished
+    assert r.returncode == 0 and "has finished" in r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("pointer", ["earlier", "missing"])
 def test_a_finished_run_killed_before_its_pointer_swap_gets_its_pointer_back(setup, reference, tmp_path, pointer):
     """A kill between the final checkpoint's rename and the pointer swap left checkpoint.torch on

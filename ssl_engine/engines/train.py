@@ -8,6 +8,7 @@ from ssl_engine import distributed as du
 from ssl_engine.checkpoint import (
     atomic_write_text,
     check_intact,
+    checkpoint_problem,
     final_checkpoint,
     final_phase,
     is_engine_checkpoint,
@@ -131,6 +132,12 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
         finish_set_aside(folder)  # a run killed while moving an earlier run's files aside left part of them
     du.barrier()
     finished = final_checkpoint(folder)
+    if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
+        problem, _ = checkpoint_problem(finished)
+        if problem:  # damaged after the run (a copy, a disk): the run goes on from its newest good checkpoint
+            log.warning("%s cannot be used (%s): the run is not finished after all; it goes on from its newest good "
+                        "checkpoint and writes %s again", finished.name, problem, finished.name)
+            finished = None
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
         _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))
         if du.is_primary():

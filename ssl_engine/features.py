@@ -249,12 +249,31 @@ def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> Fea
     return FeatureShard(key[0], key[1], arrays["features"], arrays["targets"], arrays["inds"])
 
 
+def _check_sample_count(folder: Path, split: str, layer: str, rows: int, status: Dict[str, Any]) -> None:
+    """The shards' ``rows`` are the samples the extraction's status file says it wrote."""
+    expected = status.get("samples")
+    if isinstance(expected, int) and expected != rows:
+        raise FeatureShardError(
+            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {rows} samples, but the "
+            f"extraction wrote {expected} (a shard was removed or added since), extract again"
+        )
+
+
 def iter_shards(folder: Path, split: str, layer: str, mmap: bool = True) -> Iterator[FeatureShard]:
     """The shards of ``split`` / ``layer`` one at a time, by rank then chunk.
 
-    With ``mmap`` (default) the arrays are memory-mapped: only what is touched is read.
+    With ``mmap`` (default) the arrays are memory-mapped: only what is touched is read. Before
+    the first shard, the row counts in the shards' headers must add up to the samples the
+    extraction wrote (a shard removed or added since is a FeatureShardError, as in
+    :func:`load_features`), so that a reader never goes through part of a split as the whole.
     """
-    for key, parts in _shard_paths(Path(folder), split, layer):
+    folder = Path(folder)
+    shards = _shard_paths(folder, split, layer)
+    status = extraction_status(folder, split) or {}
+    if isinstance(status.get("samples"), int):
+        rows = sum(len(_read_shard(key, parts, mmap=True).inds) for key, parts in shards)  # headers only
+        _check_sample_count(folder, split, layer, rows, status)
+    for key, parts in shards:
         yield _read_shard(key, parts, mmap)
 
 
@@ -291,12 +310,7 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
             )
     n = len(sorted_inds)
     status = extraction_status(folder, split) or {}
-    expected_n = status.get("samples")
-    if isinstance(expected_n, int) and expected_n != n:
-        raise FeatureShardError(
-            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {n} samples, but the "
-            f"extraction wrote {expected_n} (a shard was removed or added since), extract again"
-        )
+    _check_sample_count(folder, split, layer, n, status)
     # samples whose image could not be read were left out by the extraction, which names them
     left_out = np.asarray(sorted({int(i) for i in status.get("unreadable") or [] if isinstance(i, int)}), np.int64)
     written = np.setdiff1d(np.arange(n + len(left_out)), left_out) if len(left_out) else None

@@ -131,9 +131,13 @@ def test_a_split_whose_extraction_did_not_finish_is_refused(tmp_path: Path) -> N
     write_extraction_status(tmp_path, "train", "complete", samples=40)
     with pytest.raises(FeatureShardError, match="30 samples, but the extraction wrote 40"):
         load_features(tmp_path, "train", "res5avg")
+    # the streaming reader too, before it gives the first shard (was: part of the split, no error)
+    with pytest.raises(FeatureShardError, match="30 samples, but the extraction wrote 40"):
+        next(iter_shards(tmp_path, "train", "res5avg"))
     # shards without a status file (written by VISSL) are read as they are
     status_path(tmp_path, "train").unlink()
     assert len(load_features(tmp_path, "train", "res5avg")["inds"]) == 30
+    assert sum(len(sh.inds) for sh in iter_shards(tmp_path, "train", "res5avg")) == 30
 
 
 @pytest.mark.parametrize("edit, says", [

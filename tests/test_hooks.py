@@ -928,13 +928,15 @@ def test_damaged_metrics_lines_are_left_out_with_a_warning_and_the_file_kept_asi
 
     path = tmp_path / "metrics.json"
     lines = [json.dumps({"phase_idx": i, "train_loss": float(i)}) + "\n" for i in range(3)]
-    damaged = lines[0][:-4] + "\x00\n" + lines[1] + "garbage\n" + lines[2]
+    # a line cut inside, a line of garbage, and json that is not a phase record (was: kept)
+    damaged = lines[0][:-4] + "\x00\n" + lines[1] + "garbage\n" + '{"foo": 1}\n' + lines[2]
     path.write_text(damaged)
     with caplog.at_level(logging.WARNING):
         MetricsHook(str(tmp_path)).on_start(SimpleNamespace(phase_idx=2, _resume_in_phase=False))
     assert [r["phase_idx"] for r in read_metrics(path)] == [1, 2]
+    assert all("foo" not in r for r in read_metrics(path))
     # was: dropped without a word; now named, and nothing is lost
-    assert "2 line(s) are not phase records and are left out; the file as it was is kept as " \
+    assert "3 line(s) are not phase records and are left out; the file as it was is kept as " \
            "metrics.json.unreadable" in caplog.text
     assert (tmp_path / "metrics.json.unreadable").read_text() == damaged
     path.write_text(damaged)  # a second time: the earlier copy stays, the new one gets the next name

@@ -39,10 +39,11 @@ def read_metrics(path: Path) -> list:
 
 
 def _phase_idx_readable(record: Dict[str, Any]) -> bool:
-    """False for a line whose phase_idx is not a number: not a record this file can hold."""
+    """False for a line without a phase_idx that is a number (``{"foo": 1}``, damaged bytes that
+    parse): not a phase record, which always has one (here and in VISSL's metrics.json)."""
     try:
-        int(record.get("phase_idx", -1))
-    except (TypeError, ValueError):
+        int(record["phase_idx"])
+    except (KeyError, TypeError, ValueError):
         return False
     return True
 

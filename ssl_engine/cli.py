@@ -18,12 +18,13 @@ started as soon as the config has composed so that its imports overlap this proc
 """
 
 import builtins
+import contextlib
 import logging
 import os
 import re
 import sys
 import warnings
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from ssl_engine.errors import (
     INTERRUPTED_EXIT_CODE,
@@ -191,8 +192,25 @@ def check_before_launch(cfg, node_id: int = 0) -> None:
         check_pointer_is_not_a_folder(cfg.CHECKPOINT.DIR)
     if cfg.engine_name == "extract_features" and node_id == 0 and not under_torchrun():
         check_folder_free(cfg.EXTRACT_FEATURES.OUTPUT_DIR or cfg.CHECKPOINT.DIR, EXTRACT_LOCK_NAME)
-    check_resume_file(cfg)
-    check_parts_build(cfg, world_size_of(cfg))
+    with one_thread_in_this_process():
+        check_resume_file(cfg)
+        check_parts_build(cfg, world_size_of(cfg))
+
+
+@contextlib.contextmanager
+def one_thread_in_this_process() -> Iterator[None]:
+    """torch ops on one thread while the tool process checks the config. With more, a large op
+    (the weights file's finite check) starts OpenMP's thread team in this process, and a rank
+    forked from it (MULTI_PROCESSING_METHOD: fork) then waits forever on that team's barrier at
+    its first parallel op. The team is only made by a parallel op, so none exists afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool = False) -> int:

@@ -95,6 +95,25 @@ def one_rank_metrics(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str,
 # ----------------------------------------------------------------------------- unit
 
 
+def test_fork_ranks_start_after_the_weights_file_is_checked_before_launch(tmp_path: Path) -> None:
+    """The pre-launch check reads MODEL.WEIGHTS_INIT.PARAMS_FILE (its finite check runs on every
+    tensor) in the tool process; ranks forked from it (MULTI_PROCESSING_METHOD: fork, the quick
+    configs' method) then run the same check. Was: that large op started OpenMP's thread team in
+    the tool process and both forked ranks waited forever on its barrier, SIGTERM ignored."""
+    from ssl_engine.models import build_model
+
+    cfg = compose(SUPERVISED)
+    weights = tmp_path / "weights.torch"
+    torch.save(build_model(cfg.MODEL, cfg.OPTIMIZER).state_dict(), weights)  # fc1: 3072 x 32, above OpenMP's grain
+    r = run_tool(SUPERVISED + per_rank(2) + ["config.MULTI_PROCESSING_METHOD=fork", "config.OPTIMIZER.num_epochs=1",
+                                             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}",
+                                             f"config.CHECKPOINT.DIR={tmp_path / 'run'}"],
+                 env={"OMP_NUM_THREADS": "2"}, timeout=240)  # the tests' usual 1 thread would hide it
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "initialised weights from" in (tmp_path / "run" / "log.txt").read_text()
+    assert (tmp_path / "run" / "model_final_checkpoint_phase0.torch").is_file()
+
+
 @pytest.mark.parametrize("n,world", [(201, 2), (200, 2), (7, 4), (1, 3), (10, 3)])
 def test_sampler_marks_padding_and_every_sample_is_real_once(n: int, world: int) -> None:
     real: List[int] = []

@@ -390,7 +390,7 @@ class SSLTransformsWrapper:
                 try:
                     views = transform([data[i] for i in targets])
                 except (TypeError, ValueError, IndexError, RuntimeError) as exc:
-                    raise UserError(f"{self.config_key}[{pos}] ({name}{self._settings[pos]}): {exc}") from exc
+                    raise UserError(f"{self.config_key}[{pos}] ({name}): {exc}") from exc  # its errors name the setting
                 for i, view in zip(targets, views):
                     data[i] = view
                 continue

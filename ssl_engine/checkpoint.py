@@ -30,7 +30,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ssl_engine.errors import CheckpointError, UserError, does_not_exist, first_few, folder_gone, is_url, url_error
+from ssl_engine.errors import (
+    CheckpointError, UserError, closest, does_not_exist, first_few, folder_gone, is_url, url_error,
+)
 from ssl_engine.resume_state import state_problem
 
 log = logging.getLogger(__name__)
@@ -927,6 +929,17 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
     """
     state: Any = data
     key_found = bool(key_name) and key_name in data
+    if key_name and key_name != "classy_state_dict" and not key_found:
+        # a key the user chose (the default falls back to the usual layouts): reading another one
+        # instead would load other weights without a word (a misspelt model_ema loads model)
+        keys = [str(k) for k in data]
+        near = closest(key_name, keys)
+        raise CheckpointError(
+            f"config.MODEL.WEIGHTS_INIT.STATE_DICT_KEY_NAME={key_name!r} is not a key of {source}"
+            + (f" (closest: {', '.join(near)})" if near else "")
+            + (f"; its top-level keys: {first_few(keys)}" if keys else "; it holds an empty mapping")
+            + "; '' reads the file itself as the weights"
+        )
     if key_found:
         state = data[key_name]
     else:
@@ -941,7 +954,8 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
     if not weights:
         raise CheckpointError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} holds no weights under "
-            f"STATE_DICT_KEY_NAME={key_name!r} (top-level keys: {', '.join(map(str, list(data)[:8]))})"
+            f"STATE_DICT_KEY_NAME={key_name!r} "
+            + (f"(top-level keys: {', '.join(map(str, list(data)[:8]))})" if data else "(it holds an empty mapping)")
         )
     return weights, key_found and key_name == "classy_state_dict" and mapped
 

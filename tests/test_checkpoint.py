@@ -257,6 +257,26 @@ def test_init_from_vissl_layout_and_removed_prefix(tmp_path):
     assert not report["missing"]
 
 
+def test_a_state_dict_key_name_the_file_lacks_is_refused_naming_its_keys(tmp_path):
+    """VISSL asserts on an unknown STATE_DICT_KEY_NAME. Was: the usual layouts were tried instead,
+    so a misspelt model_ema loaded the file's model weights without a word."""
+    src = resnet18_model()
+    weights = src.state_dict()
+    torch.save({"model": weights, "model_ema": {k: v * 0.5 for k, v in weights.items()}}, str(tmp_path / "ema.torch"))
+    with pytest.raises(CheckpointError, match=r"STATE_DICT_KEY_NAME='model_emaa' is not a key of .*ema\.torch "
+                                              r"\(closest: model_ema, model\); its top-level keys: 'model', 'model_ema'"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "ema.torch", STATE_DICT_KEY_NAME="model_emaa"))
+    model = resnet18_model()
+    ck.init_model_from_weights(model, weights_cfg(tmp_path / "ema.torch", STATE_DICT_KEY_NAME="model_ema"))
+    name, value = next((k, v) for k, v in model.state_dict().items() if v.dtype.is_floating_point and v.abs().sum() > 0)
+    assert torch.equal(value, weights[name] * 0.5)
+    # the default key still falls back to the usual layouts (a torchvision or plain file has no classy_state_dict)
+    ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "ema.torch"))
+    torch.save({}, str(tmp_path / "empty.torch"))
+    with pytest.raises(CheckpointError, match="it holds an empty mapping"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "empty.torch"))
+
+
 def test_an_evaluation_loads_the_files_heads_only_with_eval_trunk_and_head(tmp_path, caplog):
     """VISSL's rule: with FEATURE_EVAL_SETTINGS.EVAL_MODE_ON the heads of PARAMS_FILE are left out
     (a linear probe starts from new heads even when the shapes fit) unless EVAL_TRUNK_AND_HEAD."""

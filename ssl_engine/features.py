@@ -224,13 +224,17 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
 def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> FeatureShard:
     mode = "r" if mmap else None
     name = f"{parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*"
-    try:
-        arrays = {k: np.load(parts[k], mmap_mode=mode, allow_pickle=False) for k in KINDS}
-    except (ValueError, OSError, EOFError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "pickled" in why or "allow_pickle" in why:  # numpy's advice would load a damaged file unsafely
-            why = "its header is damaged (it does not describe a numeric array)"
-        raise FeatureShardError(f"cannot read feature shard {name}: {why}; extract again") from None
+    arrays = {}
+    for k in KINDS:
+        try:
+            arrays[k] = np.load(parts[k], mmap_mode=mode, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "pickled" in why or "allow_pickle" in why:  # numpy's advice would load a damaged file unsafely
+                why = "its header is damaged (it does not describe a numeric array)"
+            elif "mmap length is greater than file size" in why:
+                why = "it is shorter than its header says (truncated)"
+            raise FeatureShardError(f"cannot read feature shard {parts[k]}: {why}; extract again") from None
     for kind, array in arrays.items():
         # inds: one integer per sample; targets and features: numbers, one row per sample
         wrong_dtype = array.dtype.kind not in ("iu" if kind == "inds" else "iufb")
@@ -305,8 +309,8 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
         if len(dup):
             raise FeatureShardError(
                 f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: sample index "
-                f"{int(sorted_inds[dup[0]])} appears in more than one shard ({len(dup)} repeats); "
-                f"shards of two extractions are mixed, extract again into an empty folder"
+                f"{int(sorted_inds[dup[0]])} appears more than once ({len(dup)} repeats); shards of two "
+                f"extractions are mixed, or a shard was changed: extract again into an empty folder"
             )
     n = len(sorted_inds)
     status = extraction_status(folder, split) or {}

@@ -307,7 +307,11 @@ def test_remove_shards_only_touches_the_split(tmp_path: Path) -> None:
         ("empty", "no feature shards for split 'train' and layer 'res5avg'"),
         ("missing_folder", "does not exist"),
         ("no_targets", "has no targets file"),
-        ("duplicate", "appears in more than one shard"),
+        ("duplicate", "sample index 0 appears more than once \\(10 repeats\\); shards of two extractions are mixed"),
+        ("duplicate_in_one_shard", "sample index 0 appears more than once \\(1 repeats\\)"),
+        # names the file (was: rank0_chunk0_*, and numpy's "mmap length is greater than file size")
+        ("truncated", "cannot read feature shard .*/rank0_chunk0_train_res5avg_features.npy: it is shorter than its "
+                      "header says \\(truncated\\)"),
         ("rank_gap", "has shards of ranks \\[1\\]"),
         ("index_gap", "are missing"),
         ("shape", "has features \\(5,\\)"),
@@ -329,6 +333,13 @@ def test_loader_explains_empty_or_inconsistent_folders(tmp_path: Path, damage: s
     elif damage == "duplicate":
         write_split(folder, "train", np.arange(10), rank=0)
         write_split(folder, "train", np.arange(10), rank=1)
+    elif damage == "duplicate_in_one_shard":
+        write_split(folder, "train", np.arange(8))
+        np.save(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.array([0, 0, 2, 3, 4, 5, 6, 7]))
+    elif damage == "truncated":
+        write_split(folder, "train", np.arange(8))
+        path = shard_path(folder, 0, 0, "train", "res5avg", "features")
+        path.write_bytes(path.read_bytes()[:-16])
     elif damage == "rank_gap":
         write_split(folder, "train", np.arange(10), rank=1)
     elif damage == "index_gap":

@@ -1037,15 +1037,18 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
                 "left %d head weights of %s out: config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON evaluates new "
                 "heads unless EVAL_TRUNK_AND_HEAD=true", len(heads), path,
             )
-    loaded, unexpected, shape_mismatch = [], [], []
+    loaded, unexpected, shape_mismatch, skipped = [], [], [], []
+    mismatched = set()
     new_state = {}
     for k, v in renamed.items():
         if any(s in k for s in skip):
+            skipped.append(k)
             continue
         if k not in own:
             unexpected.append(k)
         elif own[k].shape != v.shape:
             shape_mismatch.append(f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}")
+            mismatched.add(k)
         else:
             new_state[k] = v
             loaded.append(k)
@@ -1075,17 +1078,23 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
         )
     _refuse_non_finite(new_state, path)
     model.load_state_dict(new_state, strict=False)
-    missing = [k for k in own if k not in new_state and not any(s in k for s in skip)]
+    missing = [k for k in own if k not in new_state and k not in mismatched and not any(s in k for s in skip)]
     # heads missing from a pretrained trunk's file is the usual case (new heads); a trunk weight
-    # left at its random init, or one skipped for its shape, is a warning
-    level = logging.WARNING if shape_mismatch or any(k.startswith("trunk.") for k in missing) else logging.INFO
+    # left at its random init, skipped for its shape, or skipped by SKIP_LAYERS (BatchNorm's
+    # counters aside, which the default skips) is a warning
+    skipped_trunk = [k for k in skipped if k.startswith("trunk.") and not k.endswith("num_batches_tracked")]
+    trunk_random = shape_mismatch or skipped_trunk or any(k.startswith("trunk.") for k in missing)
+    level = logging.WARNING if trunk_random else logging.INFO
     log.log(
-        level, "initialised weights from %s: %d loaded, %d missing, %d unexpected, %d shape mismatches%s",
-        path, len(loaded), len(missing), len(unexpected), len(shape_mismatch),
-        " (the weights not loaded keep their random init; SKIP_LAYERS leaves out what is meant to)"
-        if level == logging.WARNING else "",
+        level, "initialised weights from %s: %d loaded, %d missing, %d unexpected, %d shape mismatches, "
+        "%d skipped by config.MODEL.WEIGHTS_INIT.SKIP_LAYERS%s",
+        path, len(loaded), len(missing), len(unexpected), len(shape_mismatch), len(skipped),
+        " (the weights not loaded keep their random init)" if level == logging.WARNING else "",
     )
-    for what, names in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shape_mismatch)):
+    shown_skipped = skipped_trunk if level == logging.WARNING else []
+    for what, names in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shape_mismatch),
+                        ("skipped trunk weights", shown_skipped)):
         if names:
             log.log(level, "  %s: %s%s", what, ", ".join(names[:10]), " ..." if len(names) > 10 else "")
-    return {"loaded": loaded, "missing": missing, "unexpected": unexpected, "shape_mismatch": shape_mismatch}
+    return {"loaded": loaded, "missing": missing, "unexpected": unexpected, "shape_mismatch": shape_mismatch,
+            "skipped": skipped}

@@ -327,6 +327,18 @@ def test_init_warns_when_trunk_weights_keep_their_random_init(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert report["shape_mismatch"] and any("1 shape mismatches" in w for w in warnings), warnings
     assert any(name in w for w in warnings), warnings
+    assert name not in report["missing"]  # counted once, as a shape mismatch (was: also missing)
+    # SKIP_LAYERS that leaves trunk weights at their random init is counted and warned about (was: "2 loaded,
+    # 0 missing" at INFO, with the trunk random); its default, BatchNorm's counters, is not
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ssl_engine.checkpoint"):
+        report = ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "trunk.torch", STATE_DICT_KEY_NAME="",
+                                                                           SKIP_LAYERS=["num_batches_tracked", "layer4"]))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    n_skipped = len([k for k in trunk if "layer4" in k or "num_batches_tracked" in k])
+    assert len(report["skipped"]) == n_skipped
+    assert any(f"{n_skipped} skipped by config.MODEL.WEIGHTS_INIT.SKIP_LAYERS" in w for w in warnings), warnings
+    assert any(w.startswith("  skipped trunk weights: trunk._feature_blocks.layer4") for w in warnings), warnings
 
 
 def test_init_errors_name_the_file(tmp_path):

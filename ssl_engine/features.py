@@ -253,6 +253,22 @@ def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> Fea
     return FeatureShard(key[0], key[1], arrays["features"], arrays["targets"], arrays["inds"])
 
 
+def _check_format(folder: Path, split: str, layer: str, shard: "FeatureShard", status: Dict[str, Any]) -> None:
+    """A shard's features have the per-sample shape and dtype the extraction's status file gives
+    for ``layer`` (a shard rewritten or edited since would otherwise be read as this layer's)."""
+    info = (status.get("layers") or {}).get(layer) if isinstance(status.get("layers"), dict) else None
+    if not isinstance(info, dict):
+        return
+    shape, dtype = info.get("shape"), info.get("dtype")
+    got_shape, got_dtype = list(shard.features.shape[1:]), str(shard.features.dtype)
+    if (isinstance(shape, list) and shape != got_shape) or (isinstance(dtype, str) and dtype != got_dtype):
+        raise FeatureShardError(
+            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: rank{shard.rank}_chunk{shard.chunk} "
+            f"holds {got_dtype} features of shape {got_shape} per sample, but the extraction wrote {dtype} of shape "
+            f"{shape} (a shard was changed since), extract again"
+        )
+
+
 def _check_sample_count(folder: Path, split: str, layer: str, rows: int, status: Dict[str, Any]) -> None:
     """The shards' ``rows`` are the samples the extraction's status file says it wrote."""
     expected = status.get("samples")
@@ -275,7 +291,11 @@ def iter_shards(folder: Path, split: str, layer: str, mmap: bool = True) -> Iter
     shards = _shard_paths(folder, split, layer)
     status = extraction_status(folder, split) or {}
     if isinstance(status.get("samples"), int):
-        rows = sum(len(_read_shard(key, parts, mmap=True).inds) for key, parts in shards)  # headers only
+        rows = 0
+        for key, parts in shards:  # headers only
+            shard = _read_shard(key, parts, mmap=True)
+            _check_format(folder, split, layer, shard, status)
+            rows += len(shard.inds)
         _check_sample_count(folder, split, layer, rows, status)
     for key, parts in shards:
         yield _read_shard(key, parts, mmap)
@@ -314,6 +334,8 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
             )
     n = len(sorted_inds)
     status = extraction_status(folder, split) or {}
+    for s in shards:
+        _check_format(folder, split, layer, s, status)
     _check_sample_count(folder, split, layer, n, status)
     # samples whose image could not be read were left out by the extraction, which names them
     left_out = np.asarray(sorted({int(i) for i in status.get("unreadable") or [] if isinstance(i, int)}), np.int64)

@@ -140,6 +140,25 @@ def test_a_split_whose_extraction_did_not_finish_is_refused(tmp_path: Path) -> N
     assert sum(len(sh.inds) for sh in iter_shards(tmp_path, "train", "res5avg")) == 30
 
 
+def test_shards_must_have_the_shape_and_dtype_the_extraction_wrote(tmp_path: Path) -> None:
+    """extraction_<split>.json records each layer's per-sample shape and dtype; a shard rewritten
+    since (cut to fewer columns, saved as float64) is refused by both readers (was: read as it was,
+    and a kNN ran on it)."""
+    write_split(tmp_path, "train", np.arange(30), threshold=8, batch=5)
+    good = {"res5avg": {"shape": [4], "dtype": "float32"}}
+    write_extraction_status(tmp_path, "train", "complete", samples=30, layers=good)
+    assert load_features(tmp_path, "train", "res5avg")["features"].shape == (30, 4)
+    assert sum(len(sh.inds) for sh in iter_shards(tmp_path, "train", "res5avg")) == 30
+    for layers, says in (({"res5avg": {"shape": [5], "dtype": "float32"}}, "float32 features of shape \\[4\\] per "
+                          "sample, but the extraction wrote float32 of shape \\[5\\]"),
+                         ({"res5avg": {"shape": [4], "dtype": "float64"}}, "wrote float64 of shape \\[4\\]")):
+        write_extraction_status(tmp_path, "train", "complete", samples=30, layers=layers)
+        with pytest.raises(FeatureShardError, match=says):
+            load_features(tmp_path, "train", "res5avg")
+        with pytest.raises(FeatureShardError, match=says):
+            next(iter_shards(tmp_path, "train", "res5avg"))
+
+
 @pytest.mark.parametrize("edit, says", [
     ({"samples": "30"}, "its samples is '30', not a count"),
     ({"samples": None}, "its samples is None, not a count"),

@@ -137,13 +137,12 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
         if problem:  # damaged after the run (a copy, a disk): the run goes on from its newest good checkpoint
             log.warning("%s cannot be used (%s): the run is not finished after all; it goes on from its newest good "
                         "checkpoint and writes %s again", finished.name, problem, finished.name)
-            finished = None
-    if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
-        _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))
-        if du.is_primary():
-            repoint_to_final(folder, finished)
-        log.info(_finished_message(folder, finished.name, cfg))
-        return None
+        else:
+            _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))
+            if du.is_primary():
+                repoint_to_final(folder, finished)
+            log.info(_finished_message(folder, finished.name, cfg))
+            return None
     resume = resume_checkpoint(cfg)
     if resume is not None:
         _refuse_training_checkpoint_for_test_only(cfg, resume[0], int(resume[1].get("train_phase_idx", -1)))

@@ -1091,12 +1091,11 @@ def check_parts_build(cfg: AttrDict, world_size: int) -> None:
     traceback.
     """
     check_custom_hooks(cfg)
-    if cfg.engine_name == "train":
-        from ssl_engine.hooks import default_hooks
-
-        with _Quiet():
-            _checked("the hooks", default_hooks, cfg, custom=False)  # their settings (EMA decay, PreciseBN batches...)
     with _Quiet():
+        if cfg.engine_name == "train":
+            from ssl_engine.hooks import default_hooks
+
+            _checked("the hooks", default_hooks, cfg, custom=False)  # their settings (EMA decay, PreciseBN batches...)
         notes = _build_parts(cfg, world_size)
     for note in notes or []:
         log.warning("%s", note)

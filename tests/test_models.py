@@ -82,6 +82,29 @@ def test_resnet_default_output_order_and_8x8(resnet18: SSLModel) -> None:
     assert res5.shape[1] == 512 and res3.shape[1] == 128
 
 
+def test_one_layer_asked_equals_that_layer_of_a_full_walk_and_stops_there(resnet18: SSLModel) -> None:
+    """One layer (every training step's request) takes the trunk's short path: the same tensor as
+    when it is asked for among others, and no block after it runs."""
+    trunk = resnet18.trunk.eval()
+    x = torch.randn(2, 3, 16, 16)
+    ran: List[str] = []
+    handles = [block.register_forward_hook(lambda m, i, o, name=name: ran.append(name))
+               for name, block in trunk._feature_blocks.items()]
+    try:
+        with torch.no_grad():
+            full = dict(zip(RESNET_LAYERS, trunk(x, RESNET_LAYERS)))
+            for layer in ("conv1", "res3", "res5", "res5avg", "flatten"):
+                ran.clear()
+                (one,) = trunk(x, [layer])
+                assert torch.equal(one, full[layer]), layer
+                assert ran[-1] == trunk._feature_to_block[layer], (layer, ran)
+            (default,) = trunk(x)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(default, full[trunk.default_feature_name])
+
+
 def test_unknown_layer_lists_valid_names(resnet18: SSLModel) -> None:
     with pytest.raises(UserError, match="res5avg"):
         resnet18.trunk(torch.randn(2, 3, 8, 8), ["res6"])

@@ -32,7 +32,7 @@ from ssl_engine.data.sources import (
     normalize_paths,
     source_path,
 )
-from ssl_engine.data.sampler import is_padded
+from ssl_engine.data.sampler import PaddedIndex, is_padded
 from ssl_engine.data.transforms import SSLTransformsWrapper, build_transforms
 from ssl_engine.errors import UserError, did_you_mean, first_few
 from ssl_engine.registry import DATA_SOURCES
@@ -324,7 +324,7 @@ class SSLDataset(Dataset):
         else:
             rows[:n_labels] = idx if self.label_type == "sample_index" else 0
         rows[n_labels:n_labels + k] = 1
-        padded = [i for i, key in enumerate(keys) if is_padded(key)]
+        padded = [i for i, key in enumerate(keys) if isinstance(key, PaddedIndex)]  # is_padded, inlined: per sample
         if padded:
             rows[n_labels:n_labels + k, padded] = 0
         rows[n_labels + k:] = idx

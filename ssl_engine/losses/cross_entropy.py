@@ -27,9 +27,13 @@ def as_output_list(output: Outputs) -> List[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     outputs = list(output)
-    if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
-        raise TypeError(f"loss expects a tensor or a non-empty list of tensors, got {type(output).__name__}")
-    return outputs
+    for o in outputs:  # a loop, not all(<generator>): this runs on every step
+        if not isinstance(o, torch.Tensor):
+            break
+    else:
+        if outputs:
+            return outputs
+    raise TypeError(f"loss expects a tensor or a non-empty list of tensors, got {type(output).__name__}")
 
 
 def as_class_target(target: Target) -> torch.Tensor:

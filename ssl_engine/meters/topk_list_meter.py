@@ -132,6 +132,7 @@ class TopKListMeter(ClassyMeter):
         self._k_max = max(topk)
         self.meter_names = names or [str(i) for i in range(num_meters)]
         self._meters = [self.INNER(topk=list(topk)) for _ in range(num_meters)]
+        self._outputs_checked = False
 
     @classmethod
     def from_config(cls, meters_config: AttrDict) -> "TopKListMeter":
@@ -153,23 +154,24 @@ class TopKListMeter(ClassyMeter):
         size of dim 1 of an [N, C] output), or None where that is unknown or the output is not
         [N, C]. The check of every :meth:`update`, and of the config before launch (with the
         class counts the heads' config gives, see ``SSLModel.output_sizes``)."""
-        key = f"config.METERS.{self.NAME}"
         if len(sizes) != self.num_meters:
             n = len(sizes)
             raise UserError(
-                f"{key}.num_meters={self.num_meters} but the model returns {n} output{'' if n == 1 else 's'}; "
-                f"set num_meters to {n} (one meter per model output)"
+                f"config.METERS.{self.NAME}.num_meters={self.num_meters} but the model returns {n} "
+                f"output{'' if n == 1 else 's'}; set num_meters to {n} (one meter per model output)"
             )
         for size in sizes:
             if size is not None and self._k_max > size:
                 raise UserError(
-                    f"{key}.topk_values={self.topk_values}: top-{self._k_max} needs at least "
+                    f"config.METERS.{self.NAME}.topk_values={self.topk_values}: top-{self._k_max} needs at least "
                     f"{self._k_max} classes, but the model outputs {size}; use top-k values up to {size}"
                 )
 
     def _pairs(self, model_output: ModelOutput, target: Target) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         outputs = [model_output] if isinstance(model_output, torch.Tensor) else list(model_output)
-        self.check_outputs([int(out.shape[1]) if out.ndim == 2 else None for out in outputs])
+        if not self._outputs_checked or len(outputs) != self.num_meters:  # a model's class counts stay put
+            self.check_outputs([int(out.shape[1]) if out.ndim == 2 else None for out in outputs])
+            self._outputs_checked = True
         if isinstance(target, torch.Tensor):
             targets = [target] * len(outputs)
         else:
@@ -209,6 +211,7 @@ class TopKListMeter(ClassyMeter):
             meter.sync_state()
 
     def reset(self) -> None:
+        self._outputs_checked = False  # checked again at the first update of each phase
         for meter in self._meters:
             meter.reset()
 

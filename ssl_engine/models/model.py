@@ -118,6 +118,14 @@ class SSLModel(nn.Module):
         self.model_config = model_config
         self.optimizer_config = optimizer_config
         self._settings = _eval_settings(model_config)
+        settings = self._settings
+        # plain attributes, not properties: the forward of every step reads them.
+        # trunk_frozen: the trunk's params are frozen and it stays in eval mode (FREEZE_TRUNK_ONLY / _AND_HEAD);
+        # heads_frozen: the heads too (FREEZE_TRUNK_AND_HEAD); trunk_features_only: EVAL_MODE_ON with
+        # EXTRACT_TRUNK_FEATURES_ONLY, forward returns trunk features and no heads run
+        self.trunk_frozen: bool = bool(settings["FREEZE_TRUNK_ONLY"] or settings["FREEZE_TRUNK_AND_HEAD"])
+        self.heads_frozen: bool = bool(settings["FREEZE_TRUNK_AND_HEAD"])
+        self.trunk_features_only: bool = bool(settings["EVAL_MODE_ON"] and settings["EXTRACT_TRUNK_FEATURES_ONLY"])
         self.trunk = build_trunk(model_config)
         names, heads = build_heads(model_config)
         self.head_names = names
@@ -131,22 +139,6 @@ class SSLModel(nn.Module):
         self.linear_eval_mode = self._settings["EVAL_MODE_ON"] and bool(pool_map)
         self._check_heads()
         self._freeze()
-
-    # ----------------------------------------------------------------- settings
-    @property
-    def trunk_frozen(self) -> bool:
-        """True when the trunk's params are frozen and it stays in eval mode (FREEZE_TRUNK_ONLY / _AND_HEAD)."""
-        return self._settings["FREEZE_TRUNK_ONLY"] or self._settings["FREEZE_TRUNK_AND_HEAD"]
-
-    @property
-    def heads_frozen(self) -> bool:
-        """True when the heads are frozen too (FREEZE_TRUNK_AND_HEAD)."""
-        return self._settings["FREEZE_TRUNK_AND_HEAD"]
-
-    @property
-    def trunk_features_only(self) -> bool:
-        """EVAL_MODE_ON with EXTRACT_TRUNK_FEATURES_ONLY: forward returns trunk features, no heads."""
-        return self._settings["EVAL_MODE_ON"] and self._settings["EXTRACT_TRUNK_FEATURES_ONLY"]
 
     def _trunk_feature_names(self) -> Optional[List[str]]:
         names = getattr(self.trunk, "feature_names", None)
@@ -306,22 +298,27 @@ class SSLModel(nn.Module):
         Multi-crop batches (e.g. SwAV's 2x224 + 6x96) run one trunk pass per run of equally sized
         crops, and the features are concatenated along the batch dim, as VISSL does.
         """
-        if isinstance(batch, torch.Tensor):
-            chunks = [batch]
-        else:
-            crops = list(batch)
-            if not crops or not all(isinstance(c, torch.Tensor) for c in crops):
-                raise UserError(f"model input must be a tensor or a list of tensors, got {type(batch).__name__}")
-            chunks, start = [], 0
-            for i in range(1, len(crops) + 1):
-                if i == len(crops) or crops[i].shape[1:] != crops[start].shape[1:]:
-                    chunks.append(crops[start] if i - start == 1 else torch.cat(crops[start:i]))
-                    start = i
-        with self._frozen_trunk_no_grad():
-            outs = [self.trunk(chunk, layers) for chunk in chunks]
+        if isinstance(batch, torch.Tensor):  # one crop (the usual supervised batch): nothing to group
+            return list(self._run_trunk(batch, layers))
+        crops = list(batch)
+        if not crops or not all(isinstance(c, torch.Tensor) for c in crops):
+            raise UserError(f"model input must be a tensor or a list of tensors, got {type(batch).__name__}")
+        chunks, start = [], 0
+        for i in range(1, len(crops) + 1):
+            if i == len(crops) or crops[i].shape[1:] != crops[start].shape[1:]:
+                chunks.append(crops[start] if i - start == 1 else torch.cat(crops[start:i]))
+                start = i
+        outs = [self._run_trunk(chunk, layers) for chunk in chunks]
         if len(outs) == 1:
             return list(outs[0])
         return [torch.cat(parts) for parts in zip(*outs)]
+
+    def _run_trunk(self, x: torch.Tensor, layers: Optional[List[str]]) -> List[torch.Tensor]:
+        """The trunk on one tensor, without grad when the trunk is frozen and gradients are on."""
+        if self.trunk_frozen and torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.trunk(x, layers)
+        return self.trunk(x, layers)
 
     def _pooled_features(self, batch: Batch, flatten: bool) -> List[torch.Tensor]:
         feats = self._trunk_forward(batch, list(self.feat_layer_names))
@@ -363,10 +360,11 @@ class SSLModel(nn.Module):
             feats = self._pooled_features(batch, flatten=False)
             return [head(feat) for head, feat in zip(self.heads, feats)]
         feats = self._trunk_forward(batch, None)
-        if self.trunk_features_only or len(self.heads) == 0:
+        heads = self.heads
+        if self.trunk_features_only or not heads:
             return feats
         out = feats[0]
-        for head in self.heads:
+        for head in heads:
             out = head(out)
         # a head with several outputs (swav_head: embedding, prototype scores) gives them as a list
         return list(out) if isinstance(out, (list, tuple)) else [out]

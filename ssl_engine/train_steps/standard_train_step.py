@@ -185,7 +185,7 @@ def standard_train_step(task: Any) -> None:
     else:
         output = _forward_backward(task, settings, inputs, target, valid, accum)
     if train and is_update_step:
-        _update(task)
+        _update(task, settings)
         task.run_hooks("on_update")
     if train:
         task.iteration += 1
@@ -292,13 +292,13 @@ def one_sample_batch_error(cfg: Any, split: str, per_rank: Optional[int], rows: 
     )
 
 
-def _update(task: Any) -> None:
+def _update(task: Any, settings: StepSettings) -> None:
     """Schedule, clip and optimizer step, then clear the gradients."""
     cfg = task.config
     opt = task.optimizer
     if opt.update_interval == "step":
         opt.set_where(task.where)
-    if step_settings(task).grad_clip:
+    if settings.grad_clip:
         if task.grad_scaler is not None:
             task.grad_scaler.unscale_(opt)
         params = [p for p in task.base_model.parameters() if p.grad is not None]

@@ -92,8 +92,13 @@ class FeatureTrunk(nn.Module):
     def forward(self, x: torch.Tensor, out_feat_keys: Optional[List[str]] = None) -> List[torch.Tensor]:
         """The outputs of the named layers, in the order asked (default: the last layer)."""
         keys, wanted_blocks, last = self._plan(tuple(out_feat_keys) if out_feat_keys else ())
-        outputs: Dict[str, torch.Tensor] = {}
         out = self._prepare_input(x)
+        if len(keys) == 1:  # one layer (every training step): the output of block ``last``
+            blocks = iter(self._feature_blocks.values())
+            for _ in range(last + 1):
+                out = next(blocks)(out)
+            return [out]
+        outputs: Dict[str, torch.Tensor] = {}
         for i, (name, block) in enumerate(self._feature_blocks.items()):
             out = block(out)
             if name in wanted_blocks:
@@ -101,7 +106,6 @@ class FeatureTrunk(nn.Module):
             if i == last:
                 break
         return [outputs[self._feature_to_block[k]] for k in keys]
-
 
 from ssl_engine.models.trunks import mlp, regnet, resnet  # noqa: E402,F401  (registers the trunks)
 from ssl_engine.models.trunks.mlp import MLPTrunk  # noqa: E402

@@ -107,9 +107,12 @@ class PreemptionVote:
     def __init__(self) -> None:
         self._flag: Optional[torch.Tensor] = None
         self._work: Any = None
+        self._world_size = 0  # read at the first vote (the process group is up by then), not every step
 
     def agreed(self) -> bool:
-        if du.get_world_size() <= 1:
+        if not self._world_size:
+            self._world_size = du.get_world_size()
+        if self._world_size == 1:
             return preemption.requested()
         stop = False
         if self._work is not None:
@@ -137,6 +140,9 @@ class CheckpointHook(SSLHook):
         self.phase_frequency = phase_frequency
         self.iteration_frequency = iteration_frequency
         self._vote = PreemptionVote()
+
+    def on_start(self, task: Any) -> None:
+        self._vote = PreemptionVote()  # this run's process group (a hook object may serve several runs)
 
     def on_step(self, task: Any) -> None:
         if self._vote.agreed():  # written before the process exits (code 3)

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ssl_engine import distributed as du
+from ssl_engine.errors import UserError
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.registry import HOOKS
 
@@ -49,6 +50,18 @@ def count_flops(model: torch.nn.Module, input_shape: List[int], device: torch.de
         model.train(was_training)
 
 
+def _input_shape(value: Any) -> List[int]:
+    """HOOKS.MODEL_COMPLEXITY.INPUT_SHAPE as a list of positive sizes (one sample, no batch dim)."""
+    ok = isinstance(value, (list, tuple)) and len(value) > 0 and all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in value)
+    if not ok:
+        raise UserError(
+            f"config.HOOKS.MODEL_COMPLEXITY.INPUT_SHAPE={value!r} must be a list of positive integers, the shape of "
+            f"one sample without the batch dim, e.g. [3, 224, 224]"
+        )
+    return list(value)
+
+
 @HOOKS.register("ModelComplexityHook")
 class ModelComplexityHook(SSLHook):
     """Logs flops and parameter counts once, at start (rank 0)."""
@@ -57,7 +70,7 @@ class ModelComplexityHook(SSLHook):
 
     def __init__(self, input_shape: List[int]) -> None:
         super().__init__()
-        self.input_shape = [int(s) for s in input_shape]
+        self.input_shape = _input_shape(input_shape)
         self.result: Optional[Dict[str, Any]] = None
 
     def on_start(self, task: Any) -> None:

@@ -724,6 +724,8 @@ def test_vissl_older_hook_keys_are_read_at_their_016_place(tmp_path, caplog):
      "config.MODEL.TRUNK.RESNETS.DEPTH", 50),
     ("config.MODEL.TRUNK.TRUNK_PARAMS={RESNETS:{DEPTH:34}}", "config.MODEL.TRUNK.TRUNK_PARAMS",
      "config.MODEL.TRUNK.RESNETS.DEPTH", 34),
+    ("config.MACHINE.NUM_DATALOADER_WORKERS=3", "config.MACHINE.NUM_DATALOADER_WORKERS",
+     "config.DATA.NUM_DATALOADER_WORKERS", 3),
 ])
 def test_vissl_older_keys_as_overrides_are_read_at_their_016_place(override, old, new, value, caplog):
     with caplog.at_level(logging.WARNING):
@@ -733,6 +735,32 @@ def test_vissl_older_keys_as_overrides_are_read_at_their_016_place(override, old
         node = node[part]
     assert node == value
     assert f"{old} is VISSL's older layout; read as config." in caplog.text  # the warning a yaml file's key gives
+
+
+def test_the_pre_release_loss_section_is_refused_with_where_it_goes_and_no_drop_advice(tmp_path):
+    """config.CRITERION (VISSL's pre-release name of the loss section, upper-case option keys) is
+    not moved: the error says where the loss goes, and does not offer ~config.CRITERION, which
+    would train the default loss (CrossEntropyLoss) without a word."""
+    path = write_yaml(tmp_path, "old_simclr.yaml", """\
+        # @package _global_
+        config:
+          MACHINE:
+            NUM_DATALOADER_WORKERS: 0
+          CRITERION:
+            name: simclr_info_nce_loss
+            SIMCLR_INFO_NCE_LOSS:
+              TEMPERATURE: 0.1
+          OPTIMIZER:
+            momentm: 0.9
+        """)
+    with pytest.raises(ConfigError) as info:
+        compose([f"config={path}"])
+    message = str(info.value)
+    assert "config.CRITERION is the loss section of VISSL's pre-release layout" in message
+    assert "config.LOSS" in message and "CrossEntropyLoss" in message
+    assert "~config.CRITERION" not in message
+    assert "~config.OPTIMIZER.momentm" in message  # a plain unknown key may still be dropped
+    assert "NUM_DATALOADER_WORKERS" not in message  # the older worker key is read at DATA's place
 
 
 def test_an_older_key_override_wins_over_the_same_key_in_the_file(tmp_path, caplog):

@@ -121,7 +121,10 @@ def unknown_key_message(key: str, known: Iterable[str], added_hint: bool = True)
         shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
         hint = f" (keys under {parent or 'the top level'}: {shown})" if siblings else ""
     unacted = _compat_ancestor(key)
-    if unacted:
+    pre_release = _pre_release_section(key)
+    if pre_release:
+        hint = f" ({pre_release} is {PRE_RELEASE_SECTIONS[pre_release]})"
+    elif unacted:
         # e.g. a stray key in the options of a VISSL loss this engine lacks: say that first (the
         # closest keys of other sections lead nowhere, and fixing the key only leads to "unknown loss")
         if unacted.count(".") == 2 and unacted.startswith("config.LOSS."):
@@ -459,7 +462,27 @@ MOVED_KEYS = {
     ("ROLLING_BTIME_FREQ",): ("HOOKS", "PERF_STATS", "ROLLING_BTIME_FREQ"),
     ("TENSORBOARD_SETUP",): ("HOOKS", "TENSORBOARD_SETUP"),
     ("MODEL", "MODEL_COMPLEXITY"): ("HOOKS", "MODEL_COMPLEXITY"),
+    ("MACHINE", "NUM_DATALOADER_WORKERS"): ("DATA", "NUM_DATALOADER_WORKERS"),
 }
+
+# Sections of VISSL's pre-release layout that cannot be moved as MOVED_KEYS are (another name and
+# upper-case option keys): what the unknown-key error says instead of the closest keys. Dropping
+# one with ~ would change what the run does (a config without its loss trains the default loss),
+# so the error does not offer that.
+PRE_RELEASE_SECTIONS = {
+    "config.CRITERION": (
+        "the loss section of VISSL's pre-release layout; VISSL 0.1.6 reads the loss from config.LOSS, with "
+        "lower-case option keys (LOSS.name: simclr_info_nce_loss, LOSS.simclr_info_nce_loss.temperature, "
+        "...): move it there, as without it the run trains the default loss, CrossEntropyLoss"
+    ),
+}
+
+
+def _pre_release_section(key: str) -> Optional[str]:
+    for place in PRE_RELEASE_SECTIONS:
+        if key == place or key.startswith(place + "."):
+            return place
+    return None
 
 
 # The older layout's trunk options: MODEL.TRUNK.TRUNK_PARAMS.<X>, read as MODEL.TRUNK.<X>.
@@ -621,12 +644,13 @@ def validate(
 
         problems = ([unknown_key_message(k, known, added_hint=False) + in_file(k) for k in walker.unknown]
                     + [w + in_file(k) for w, k in zip(walker.wrong, walker.wrong_keys)])
-        if walker.unknown and not any(k.startswith("config.config.") for k in walker.unknown):
-            many = len(walker.unknown) > 1
-            problems[len(walker.unknown) - 1] += (
+        droppable = [k for k in walker.unknown if not _pre_release_section(k)]
+        if droppable and not any(k.startswith("config.config.") for k in walker.unknown):
+            many = len(droppable) > 1
+            problems[walker.unknown.index(droppable[-1])] += (
                 f" ({'keys' if many else 'a key'} of a yaml file: fix {'them' if many else 'it'} there, declare "
                 f"{'them' if many else 'it'} on the file's '# added keys:' line, or drop {'them' if many else 'it'} "
-                f"with {' '.join('~' + k for k in walker.unknown)} on the command line)"
+                f"with {' '.join('~' + k for k in droppable)} on the command line)"
             )
         raise ConfigError("; ".join(problems))
     cfg = merged["config"]

@@ -1287,10 +1287,15 @@ def test_settings_that_are_not_acted_on_are_reported_also_inside_free_form_secti
     # said to be ignored; EXPERIMENT_LOG_DIR is read only under a LOG_DIR of one's own
     with caplog.at_level(logging.WARNING):
         compose(["config=quick/simclr_synthetic", "config.MODEL.AMP_PARAMS.AMP_ARGS.opt_level=O3",
+                 "config.MODEL.AMP_PARAMS.USE_AMP=true",
                  "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true",
                  "config.HOOKS.TENSORBOARD_SETUP.EXPERIMENT_LOG_DIR=my_exp"])
     assert "config.MODEL.AMP_PARAMS.AMP_ARGS.opt_level is accepted for VISSL configs but not acted on" in caplog.text
     assert "EXPERIMENT_LOG_DIR=my_exp is read only with LOG_DIR set to a folder" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # apex's options of a run without AMP: nothing to say
+        compose(["config=quick/simclr_synthetic", "config.MODEL.AMP_PARAMS.AMP_ARGS.opt_level=O3"])
+    assert "opt_level" not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         compose(["config=quick/simclr_synthetic", "config.MODEL.AMP_PARAMS.AMP_ARGS.opt_level=O1",

@@ -662,7 +662,10 @@ def validate(
 
     infer_settings(cfg, defaults["config"])
     if warn_unused:
+        amp_on = bool(((cfg.get("MODEL") or {}).get("AMP_PARAMS") or {}).get("USE_AMP"))
         for key in walker.compat_set:
+            if not amp_on and key.startswith("config.MODEL.AMP_PARAMS."):
+                continue  # apex's options of a run without AMP: VISSL would not read them either
             log.warning("%s", not_acted_on_message(key))
         warn_unread_dataset_names(cfg, defaults["config"]["DATA"])
         warn_unread_tensorboard_folder(cfg, defaults["config"]["HOOKS"]["TENSORBOARD_SETUP"])

@@ -152,7 +152,8 @@ class TopKListMeter(ClassyMeter):
         """Raise a UserError naming the config key when this meter cannot score model outputs of
         these class counts: ``sizes`` has one entry per model output, its number of classes (the
         size of dim 1 of an [N, C] output), or None where that is unknown or the output is not
-        [N, C]. The check of every :meth:`update`, and of the config before launch (with the
+        [N, C]. The check of a phase's first :meth:`update` (and of any update with another number
+        of outputs), and of the config before launch (with the
         class counts the heads' config gives, see ``SSLModel.output_sizes``)."""
         if len(sizes) != self.num_meters:
             n = len(sizes)

@@ -897,6 +897,9 @@ def _is_vissl_model_layout(state: Dict[str, Any]) -> bool:
     return bool(set(state) & {"trunk", "heads"}) and all(isinstance(state.get(k, {}), dict) for k in ("trunk", "heads"))
 
 
+_VISSL_EVAL_TRUNK = "trunk.base_model."  # a trunk's names inside VISSL's feature-evaluation wrapper
+
+
 def _flatten_vissl_model(state: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], bool]:
     """classy_state_dict -> base_model -> model -> {trunk, heads} becomes 'trunk.x' / 'heads.x'.
 
@@ -1026,7 +1029,12 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
     for k, v in weights.items():
         if remove and k.startswith(remove):
             k = k[len(remove):]
-        renamed[f"{append}{k}"] = v
+        k = f"{append}{k}"
+        if k.startswith(_VISSL_EVAL_TRUNK):
+            # VISSL's feature-evaluation wrapper: its docs give APPEND_PREFIX=trunk.base_model._feature_blocks.
+            # for torchvision weights; this model's trunk has no wrapper (as _flatten_vissl_model reads it)
+            k = "trunk." + k[len(_VISSL_EVAL_TRUNK):]
+        renamed[k] = v
     skip = [s for s in weights_cfg.SKIP_LAYERS if s]
     own = model.state_dict()
     if not loads_head_weights(model_cfg):
@@ -1052,21 +1060,22 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
         else:
             new_state[k] = v
             loaded.append(k)
-    # every trunk weight of the file that the model names has another shape (BN's counters aside): a
-    # wider or deeper model's file, whose few loadable tensors (a head's bias) would hide it
+    # a trunk weight named as the model's but of another shape is a file of another depth, width or
+    # input (VISSL stops on it too): a ResNet-50's file in a ResNet-18 shares conv1, bn1 and many BN
+    # shapes, and would train as a mix of loaded and random layers. Layers left out on purpose are
+    # named in SKIP_LAYERS. Outside the trunk (a head of another class count) it is a warning below.
     counted = [k for k in loaded if not k.endswith("num_batches_tracked")]
-    for part in ("trunk.", ""):
-        differ = [m for m in shape_mismatch if m.startswith(part)]
-        if differ and not [k for k in counted if k.startswith(part)]:
-            break
-    else:
-        differ = []
+    trunk_differ = [m for m in shape_mismatch if m.startswith("trunk.")]
+    differ = trunk_differ or (shape_mismatch if not counted else [])
     if differ:
+        fitting = [k for k in counted if k.startswith("trunk.")] if trunk_differ else counted
         raise UserError(
-            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: its weights are named as the model's, but none has the "
-            f"model's shape ({len(differ)} differ, e.g. {differ[0]} in the file vs the model): the "
-            f"file is for another architecture or width; set config.MODEL.TRUNK (and HEAD) to the model it was "
-            f"trained with"
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {len(differ)} of its weights are named as the model's "
+            f"but have another shape (e.g. {differ[0]}, file vs model)"
+            + ("" if fitting else ", and none has the model's shape")
+            + ": the file is for another architecture, depth or width; set config.MODEL.TRUNK (and HEAD) to the "
+            f"model it was trained with, or name those layers in config.MODEL.WEIGHTS_INIT.SKIP_LAYERS to keep "
+            f"them at their random init"
         )
     if not loaded:
         raise UserError(

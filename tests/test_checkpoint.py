@@ -321,13 +321,18 @@ def test_init_warns_when_trunk_weights_keep_their_random_init(tmp_path, caplog):
     name = "trunk._feature_blocks.conv1.weight"
     widened[name] = torch.zeros(64, 4, 7, 7)
     torch.save(widened, str(tmp_path / "widened.torch"))
+    # a trunk weight of another shape stops the run (as in VISSL), unless SKIP_LAYERS names it
+    with pytest.raises(UserError, match=r"1 of its weights are named as the model's but have another shape \(e\.g\. "
+                                        r"trunk\._feature_blocks\.conv1\.weight \(64, 4, 7, 7\) vs \(64, 3, 7, 7\).*"
+                                        r"SKIP_LAYERS"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "widened.torch", STATE_DICT_KEY_NAME=""))
     with caplog.at_level(logging.INFO, logger="ssl_engine.checkpoint"):
-        report = ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "widened.torch",
-                                                                           STATE_DICT_KEY_NAME=""))
+        report = ck.init_model_from_weights(resnet18_model(), weights_cfg(
+            tmp_path / "widened.torch", STATE_DICT_KEY_NAME="", SKIP_LAYERS=["num_batches_tracked", "_feature_blocks.conv1."]))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert report["shape_mismatch"] and any("1 shape mismatches" in w for w in warnings), warnings
-    assert any(name in w for w in warnings), warnings
-    assert name not in report["missing"]  # counted once, as a shape mismatch (was: also missing)
+    assert report["skipped"] and not report["shape_mismatch"]
+    assert any(name in w for w in warnings), warnings  # named: it keeps its random init
+    assert name not in report["missing"]  # counted once, as skipped
     # SKIP_LAYERS that leaves trunk weights at their random init is counted and warned about (was: "2 loaded,
     # 0 missing" at INFO, with the trunk random); its default, BatchNorm's counters, is not
     caplog.clear()
@@ -354,10 +359,19 @@ def test_init_errors_name_the_file(tmp_path):
     wide = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18", "config.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER=2",
                     "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[1024,10]}]]"])
     torch.save(build_model(wide.MODEL, wide.OPTIMIZER).state_dict(), str(tmp_path / "wide.torch"))
-    with pytest.raises(UserError, match=r"named as the model's, but none has the model's shape \(\d+ differ, e\.g\. "
-                                        r"trunk\._feature_blocks\.conv1\.weight \(128, 3, 7, 7\) vs \(64, 3, 7, 7\).*"
-                                        r"another architecture or width"):
+    with pytest.raises(UserError, match=r"\d+ of its weights are named as the model's but have another shape \(e\.g\. "
+                                        r"trunk\._feature_blocks\.conv1\.weight \(128, 3, 7, 7\) vs \(64, 3, 7, 7\), file vs model\), "
+                                        r"and none has the model's shape: the file is for another architecture, depth "
+                                        r"or width"):
         ck.init_model_from_weights(model, weights_cfg(tmp_path / "wide.torch", STATE_DICT_KEY_NAME=""))
+    # a ResNet-50's weights in a ResNet-18: conv1, bn1 and many BatchNorm shapes fit, the rest does not
+    # (was: "78 loaded ... 24 shape mismatches", a warning, and a run that trained the mix)
+    deep = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=50", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[2048,10]}]]"])
+    torch.save(build_model(deep.MODEL, deep.OPTIMIZER).state_dict(), str(tmp_path / "deep.torch"))
+    with pytest.raises(UserError, match=r"\d+ of its weights are named as the model's but have another shape "
+                                        r"\(e\.g\. trunk\._feature_blocks\.layer1\.0\.conv1\.weight \(64, 64, 1, 1\) vs "
+                                        r"\(64, 64, 3, 3\), file vs model\): the file is for another architecture, depth or width"):
+        ck.init_model_from_weights(model, weights_cfg(tmp_path / "deep.torch", STATE_DICT_KEY_NAME=""))
     torch.save({"classy_state_dict": {"meta": 3}}, str(tmp_path / "empty.torch"))
     with pytest.raises(CheckpointError, match="holds no weights"):
         ck.init_model_from_weights(model, weights_cfg(tmp_path / "empty.torch"))
@@ -368,6 +382,26 @@ def vissl_layout_file(path, src, trunk_prefix=""):
     state = {"trunk": {trunk_prefix + k[6:]: v for k, v in src.state_dict().items() if k.startswith("trunk.")},
              "heads": {k[6:]: v for k, v in src.state_dict().items() if k.startswith("heads.")}}
     torch.save({"classy_state_dict": {"base_model": {"model": state, "meta": {}}}}, str(path))
+
+
+def test_vissls_documented_prefix_for_torchvision_weights_loads_the_trunk(tmp_path):
+    """VISSL's docs load torchvision weights with APPEND_PREFIX=trunk.base_model._feature_blocks.
+    (the names inside its feature-evaluation wrapper); this model's trunk has no wrapper, so the
+    names are read without base_model. (was: 'none of its weights match the model', exit 2)."""
+    src = resnet18_model()
+    plain = {k[len("trunk._feature_blocks."):]: v for k, v in src.state_dict().items()
+             if k.startswith("trunk._feature_blocks.")}  # conv1.weight, layer1.0.bn1.bias, ... as torchvision names them
+    torch.save(plain, str(tmp_path / "torchvision_style.torch"))
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(
+        tmp_path / "torchvision_style.torch", STATE_DICT_KEY_NAME="", APPEND_PREFIX="trunk.base_model._feature_blocks."))
+    assert not report["unexpected"] and not report["shape_mismatch"]
+    counters = [k for k in plain if k.endswith("num_batches_tracked")]  # SKIP_LAYERS' default
+    assert len(report["loaded"]) == len(plain) - len(counters) and len(report["skipped"]) == len(counters)
+    own = model.state_dict()
+    for k, v in plain.items():
+        if k not in counters:
+            assert torch.equal(own["trunk._feature_blocks." + k], v), k
 
 
 def test_prefixes_do_not_apply_to_a_classy_state_dict_as_in_vissl(tmp_path, caplog):

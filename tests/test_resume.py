@@ -839,6 +839,21 @@ def test_vissl_optimizer_state_that_does_not_fit_starts_fresh_with_a_warning(set
             "model: its momentum_buffer of parameter 0 has shape [3, 3], the parameter [32, 192]) does not fit this "
             "run and starts fresh") in out, out[-3000:]
     assert (folder / "model_final_checkpoint_phase1.torch").exists()
+    # VISSL's head_optimizer_params layout: 4 groups (trunk and heads, each regularized and not) even
+    # when empty; was: advice to resume with head_optimizer_params, which can never give 4 groups
+    data = vissl_layout(ours, phase_idx=0, train_phase_idx=0)
+    optim = data["classy_state_dict"]["optimizer"]["optim"]
+    optim["param_groups"] = optim["param_groups"] + [dict(g, params=[]) for g in optim["param_groups"]]
+    folder = tmp_path / "vissl_four_groups"
+    folder.mkdir()
+    torch.save(data, str(folder / "model_phase0.torch"))
+    r = run(cfg, folder, "config.OPTIMIZER.num_epochs=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert ("VISSL's checkpoint: the state of the optimizer (VISSL's 4 param groups, trunk and heads each regularized "
+            "and not, are not mapped onto this run's; its momentum builds up again from zero) does not fit this run "
+            "and starts fresh") in out, out[-3000:]
+    assert "head_optimizer_params" not in out
 
 
 def test_a_checkpoint_with_impossible_counters_is_skipped_or_refused(setup, reference, tmp_path):

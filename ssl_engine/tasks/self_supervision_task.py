@@ -530,8 +530,15 @@ class SelfSupervisionTask(ClassyTask):
         does not fit starts fresh, with one warning that names it."""
         fresh = []
         if self.optimizer is not None:
+            groups = len(((state.get("optimizer") or {}).get("optimizer") or {}).get("param_groups") or [])
             if not state.get("optimizer"):
                 fresh.append("the optimizer (the checkpoint holds no state of it)")
+            elif groups == 4 and len(self.optimizer.optimizer.param_groups) != 4:
+                # VISSL's head_optimizer_params layout: trunk and heads, each regularized and not, even
+                # when empty; which of its tensors is which cannot be told apart safely (BatchNorm's
+                # weight and bias have one shape), so nothing is guessed
+                fresh.append("the optimizer (VISSL's 4 param groups, trunk and heads each regularized and not, "
+                             "are not mapped onto this run's; its momentum builds up again from zero)")
             else:
                 try:
                     self.optimizer.load_state_dict(state["optimizer"])

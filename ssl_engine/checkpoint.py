@@ -721,6 +721,19 @@ def _move_run_files(folder: Path, target: Path) -> int:
     return moved
 
 
+def _numpy_array_globals() -> List[Any]:
+    """What unpickling a numeric numpy array needs, and nothing that runs code: VISSL's weight files
+    may hold arrays (its converted Caffe2 models; VISSL's loader takes them with torch.from_numpy)."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
+    numbers = (np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64)
+    return [_reconstruct, scalar, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in numbers)]
+
+
 def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Read a checkpoint on the CPU without executing code.
 
@@ -733,14 +746,16 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     try:
         with warnings.catch_warnings():  # torch warns of a pickle protocol it did not write; the error says more
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            data = torch.load(str(path), map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals(_numpy_array_globals()):
+                data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         text = str(e)
-        blocked = re.search(r"(Unsupported global: GLOBAL [^\s]+|unsupported GLOBAL [^\s]+|GLOBAL [\w.]+ [\w.]+)", text)
+        built = re.search(r"but got <class '([^']+)'>", text)  # an object torch's reader will not build
+        blocked = built or re.search(r"(Unsupported global: GLOBAL [^\s]+|unsupported GLOBAL [^\s]+|GLOBAL [\w.]+ [\w.]+)", text)
         if blocked:
             raise CheckpointError(
-                f"refused to load {path}: it carries pickled objects that are not tensors or plain "
-                f"containers, and loading it would run code ({blocked.group(1)[:160]})"
+                f"refused to load {path}: it carries pickled objects that are not tensors, numeric arrays or plain "
+                f"containers, and loading it would run code ({'a ' + built.group(1) if built else blocked.group(1)[:160]})"
             ) from None
         raise CheckpointError(f"checkpoint {path} {_unreadable_because(path, e)}") from None
     except Exception as e:  # noqa: BLE001 - torch's readers raise many kinds (EOFError, KeyError, ...) on garbage
@@ -921,6 +936,15 @@ def _flatten_vissl_model(state: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor]
     return state, False
 
 
+def _as_tensor(value: Any) -> Optional[torch.Tensor]:
+    """A weight as a tensor: a tensor as it is, a numpy array (as VISSL's loader takes it) as one; else None."""
+    if isinstance(value, torch.Tensor):
+        return value
+    import numpy as np
+
+    return torch.from_numpy(value) if isinstance(value, np.ndarray) and value.dtype != object else None
+
+
 def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[Dict[str, torch.Tensor], bool]:
     """The model weights held by a loaded file, and whether VISSL's prefix rule exempts them.
 
@@ -953,7 +977,11 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
     mapped = False
     if isinstance(state, dict):
         state, mapped = _flatten_vissl_model(state)
-    weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
+    weights = {}
+    for k, v in (state.items() if isinstance(state, dict) else ()):
+        tensor = _as_tensor(v)
+        if tensor is not None:
+            weights[k] = tensor
     if not weights:
         raise CheckpointError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} holds no weights under "

@@ -404,6 +404,29 @@ def test_vissls_documented_prefix_for_torchvision_weights_loads_the_trunk(tmp_pa
             assert torch.equal(own["trunk._feature_blocks." + k], v), k
 
 
+def test_weights_held_as_numpy_arrays_load_as_vissl_loads_them(tmp_path):
+    """VISSL's loader takes numpy arrays (its converted Caffe2 models hold them) with
+    torch.from_numpy; so does this one (was: 'refused to load ... Unsupported global numpy...').
+    An array of Python objects still carries code and is still refused."""
+    import numpy as np
+
+    src = resnet18_model()
+    state = {"trunk": {k[6:]: v.numpy() for k, v in src.state_dict().items() if k.startswith("trunk.")},
+             "heads": {k[6:]: v.half().numpy() if v.is_floating_point() else v.numpy()
+                       for k, v in src.state_dict().items() if k.startswith("heads.")}}
+    torch.save({"classy_state_dict": {"base_model": {"model": state, "meta": {}}}}, str(tmp_path / "arrays.torch"))
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "arrays.torch"))
+    assert not report["unexpected"] and not report["shape_mismatch"] and not report["missing"]
+    own, want = model.state_dict(), src.state_dict()
+    assert torch.equal(own["trunk._feature_blocks.layer4.1.conv2.weight"], want["trunk._feature_blocks.layer4.1.conv2.weight"])
+    head = next(k for k in want if k.startswith("heads.") and k.endswith("weight"))
+    assert torch.equal(own[head], want[head].half().float())
+    torch.save({"w": np.array([object()], dtype=object)}, str(tmp_path / "objects.torch"))
+    with pytest.raises(CheckpointError, match="refused to load .*objects.torch: it carries pickled objects"):
+        ck.load_checkpoint(tmp_path / "objects.torch")
+
+
 def test_prefixes_do_not_apply_to_a_classy_state_dict_as_in_vissl(tmp_path, caplog):
     """VISSL's fulltune / low-shot configs set APPEND_PREFIX: trunk. with STATE_DICT_KEY_NAME:
     classy_state_dict; VISSL applies the prefixes only for other STATE_DICT_KEY_NAMEs, and so do we

@@ -150,6 +150,18 @@ def _index(folder: Path) -> Dict[Tuple[str, str], Dict[Tuple[int, int], Dict[str
     return out
 
 
+SHARD_NAMING = "rank<R>_chunk<C>_<split>_<layer>_<features|targets|inds>.npy"
+
+
+def unnamed_arrays(folder: Path) -> List[str]:
+    """The .npy files in ``folder`` not named as shards (SHARD_NAMING): merged or older-named
+    feature files that no reader here takes, named in its errors."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.glob("*.npy") if p.is_file() and not _SHARD_RE.match(p.name))
+
+
 def available(folder: Path) -> List[Tuple[str, str]]:
     """The (split, layer) pairs that have shards in ``folder``, sorted."""
     folder = Path(folder)

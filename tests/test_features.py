@@ -595,6 +595,14 @@ def test_knn_tool_reports_a_bad_features_path_in_one_line(tmp_path: Path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path) in err[0]
+    # merged or older-named feature files (train_res5avg_features.npy, rank0_train_...) are named as not read
+    for name in ("train_res5avg_features.npy", "rank0_train_res5avg_features.npy"):
+        np.save(tmp_path / name, np.zeros((2, 3), dtype=np.float32))
+    code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert ("shards are named rank<R>_chunk<C>_<split>_<layer>_<features|targets|inds>.npy, and its other .npy files "
+            "('rank0_train_res5avg_features.npy', 'train_res5avg_features.npy') are not") in err[0], err
     code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path / 'gone'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"error: config.NEAREST_NEIGHBOR.FEATURES.PATH: {tmp_path / 'gone'} does not exist; name "

@@ -36,7 +36,8 @@ def extract(cfg, node_id: int = 0) -> int:
 
 def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     """kNN accuracies of every layer with train and test shards in ``folder``, printed as they come."""
-    from ssl_engine.features import FeatureShardError, available, check_finished
+    from ssl_engine.errors import first_few
+    from ssl_engine.features import SHARD_NAMING, FeatureShardError, available, check_finished, unnamed_arrays
     from ssl_engine.knn import knn_accuracy, load_train_and_test
 
     for split in ("train", "test"):
@@ -45,7 +46,12 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     layers = [layer for s, layer in pairs if s == "train" and ("test", layer) in pairs]
     if not layers:
         have = ", ".join(f"{s}/{l}" for s, l in pairs) or "no shards"
-        raise FeatureShardError(f"{folder} has no layer with both train and test features ({have})")
+        others = unnamed_arrays(folder)
+        raise FeatureShardError(
+            f"{folder} has no layer with both train and test features ({have}); shards are named {SHARD_NAMING}"
+            + (f", and its other .npy files ({first_few(others)}) are not: merged or older-named files are not read"
+               if others else "")
+        )
     nn = cfg.NEAREST_NEIGHBOR
     results = {}
     for layer in layers:

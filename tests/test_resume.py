@@ -825,31 +825,33 @@ def test_a_folder_vissl_trained_in_goes_on_from_vissls_checkpoint(setup, referen
 def test_vissl_optimizer_state_that_does_not_fit_starts_fresh_with_a_warning(setup, reference, tmp_path):
     root, cfg = setup
     ours = torch.load(str(reference[0] / "model_phase0.torch"), map_location="cpu", weights_only=True)
-    data = vissl_layout(ours, phase_idx=0, train_phase_idx=0)
-    optim = data["classy_state_dict"]["optimizer"]["optim"]
-    first = min(optim["state"])
-    optim["state"][first] = {"momentum_buffer": torch.zeros(3, 3)}  # another model's tensor
-    folder = tmp_path / "vissl_other"
-    folder.mkdir()
-    torch.save(data, str(folder / "model_phase0.torch"))
-    r = run(cfg, folder, "config.OPTIMIZER.num_epochs=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout + r.stderr
+
+    def resume_from_edited(name, edit):
+        """The run's output going on from VISSL's layout of phase 0, its optimizer state edited."""
+        data = vissl_layout(ours, phase_idx=0, train_phase_idx=0)
+        edit(data["classy_state_dict"]["optimizer"]["optim"])
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.save(data, str(folder / "model_phase0.torch"))
+        r = run(cfg, folder, "config.OPTIMIZER.num_epochs=2")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (folder / "model_final_checkpoint_phase1.torch").exists()
+        return r.stdout + r.stderr
+
+    def other_models_tensor(optim):
+        optim["state"][min(optim["state"])] = {"momentum_buffer": torch.zeros(3, 3)}
+
+    out = resume_from_edited("vissl_other", other_models_tensor)
     assert ("VISSL's checkpoint: the state of the optimizer (the checkpoint's optimizer state does not fit this "
             "model: its momentum_buffer of parameter 0 has shape [3, 3], the parameter [32, 192]) does not fit this "
             "run and starts fresh") in out, out[-3000:]
-    assert (folder / "model_final_checkpoint_phase1.torch").exists()
+
     # VISSL's head_optimizer_params layout: 4 groups (trunk and heads, each regularized and not) even
     # when empty; was: advice to resume with head_optimizer_params, which can never give 4 groups
-    data = vissl_layout(ours, phase_idx=0, train_phase_idx=0)
-    optim = data["classy_state_dict"]["optimizer"]["optim"]
-    optim["param_groups"] = optim["param_groups"] + [dict(g, params=[]) for g in optim["param_groups"]]
-    folder = tmp_path / "vissl_four_groups"
-    folder.mkdir()
-    torch.save(data, str(folder / "model_phase0.torch"))
-    r = run(cfg, folder, "config.OPTIMIZER.num_epochs=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout + r.stderr
+    def four_groups(optim):
+        optim["param_groups"] = optim["param_groups"] + [dict(g, params=[]) for g in optim["param_groups"]]
+
+    out = resume_from_edited("vissl_four_groups", four_groups)
     assert ("VISSL's checkpoint: the state of the optimizer (VISSL's 4 param groups, trunk and heads each regularized "
             "and not, are not mapped onto this run's; its momentum builds up again from zero) does not fit this run "
             "and starts fresh") in out, out[-3000:]

@@ -1116,10 +1116,11 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
     _refuse_non_finite(new_state, path)
     model.load_state_dict(new_state, strict=False)
     missing = [k for k in own if k not in new_state and k not in mismatched and not any(s in k for s in skip)]
-    # heads missing from a pretrained trunk's file is the usual case (new heads); a trunk weight
-    # left at its random init, skipped for its shape, or skipped by SKIP_LAYERS (BatchNorm's
-    # counters aside, which the default skips) is a warning
-    skipped_trunk = [k for k in skipped if k.startswith("trunk.") and not k.endswith("num_batches_tracked")]
+    # heads missing from a pretrained trunk's file is the usual case (new heads); a trunk weight left
+    # at its random init (missing, or skipped by SKIP_LAYERS, BatchNorm's counters aside, which the
+    # default skips) or a head skipped for its shape is a warning. A skipped file key the model lacks
+    # (a head that APPEND_PREFIX put under trunk.) leaves no trunk weight random.
+    skipped_trunk = [k for k in skipped if k in own and k.startswith("trunk.") and not k.endswith("num_batches_tracked")]
     trunk_random = shape_mismatch or skipped_trunk or any(k.startswith("trunk.") for k in missing)
     level = logging.WARNING if trunk_random else logging.INFO
     log.log(

@@ -344,6 +344,16 @@ def test_init_warns_when_trunk_weights_keep_their_random_init(tmp_path, caplog):
     assert len(report["skipped"]) == n_skipped
     assert any(f"{n_skipped} skipped by config.MODEL.WEIGHTS_INIT.SKIP_LAYERS" in w for w in warnings), warnings
     assert any(w.startswith("  skipped trunk weights: trunk._feature_blocks.layer4") for w in warnings), warnings
+    # a skipped file key that the model does not have (a head that APPEND_PREFIX put under trunk.) leaves
+    # no trunk weight random: no warning (was: "N skipped ... keep their random init")
+    caplog.clear()
+    extra = dict(trunk, **{"trunk.heads.module.0.clf.weight": torch.zeros(10, 512)})
+    torch.save(extra, str(tmp_path / "extra.torch"))
+    with caplog.at_level(logging.INFO, logger="ssl_engine.checkpoint"):
+        report = ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "extra.torch", STATE_DICT_KEY_NAME="",
+                                                                           SKIP_LAYERS=["num_batches_tracked", "heads."]))
+    assert "trunk.heads.module.0.clf.weight" in report["skipped"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_init_errors_name_the_file(tmp_path):

@@ -478,11 +478,13 @@ PRE_RELEASE_SECTIONS = {
 }
 
 
+def _at_or_under(key: str, place: str) -> bool:
+    """Whether config key ``key`` is ``place`` or a key inside it."""
+    return key == place or key.startswith(place + ".")
+
+
 def _pre_release_section(key: str) -> Optional[str]:
-    for place in PRE_RELEASE_SECTIONS:
-        if key == place or key.startswith(place + "."):
-            return place
-    return None
+    return next((place for place in PRE_RELEASE_SECTIONS if _at_or_under(key, place)), None)
 
 
 # The older layout's trunk options: MODEL.TRUNK.TRUNK_PARAMS.<X>, read as MODEL.TRUNK.<X>.
@@ -503,7 +505,7 @@ def _new_place(key: str) -> Optional[str]:
     None for a key of the 0.1.6 layout."""
     for old, new in [*MOVED_KEYS.items(), (TRUNK_PARAMS_PATH, TRUNK_PARAMS_PATH[:-1])]:
         place = "config." + ".".join(old)
-        if key == place or key.startswith(place + "."):
+        if _at_or_under(key, place):
             return "config." + ".".join(new) + key[len(place):]
     return None
 
@@ -511,7 +513,7 @@ def _new_place(key: str) -> Optional[str]:
 def _is_upgrade_target(key: str) -> bool:
     """Whether ``key`` lies where :func:`_upgrade_older_layout` may move a value to."""
     places = ["config." + ".".join(new) for new in MOVED_KEYS.values()] + ["config." + ".".join(TRUNK_PARAMS_PATH[:-1])]
-    return _new_place(key) is None and any(key.startswith(place + ".") or key == place for place in places)
+    return _new_place(key) is None and any(_at_or_under(key, place) for place in places)
 
 
 def _leaf_keys(node: Any, prefix: str) -> Iterator[str]:

@@ -8,7 +8,7 @@ Users add their own parts with a decorator and name them in yaml::
     class MyTrunk(nn.Module): ...
 """
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from ssl_engine.errors import UserError, did_you_mean
 
@@ -26,11 +26,18 @@ def accepted_params(cls: Any, skip: int = 0) -> List[str]:
 
 
 class Registry:
-    """A name -> object table for one kind of part (trunk, loss, hook, ...)."""
+    """A name -> object table for one kind of part (trunk, loss, hook, ...).
 
-    def __init__(self, kind: str, config_key: str = "") -> None:
+    ``vissl_names``: names VISSL 0.1.6 registers for this kind that the engine does not
+    implement. A VISSL config naming one is told so (and how to register one's own under that
+    name), not offered the nearest implemented name, which would train something else.
+    """
+
+    def __init__(self, kind: str, config_key: str = "", symbol: str = "", vissl_names: Iterable[str] = ()) -> None:
         self.kind = kind
         self.config_key = config_key
+        self.symbol = symbol
+        self.vissl_names = frozenset(vissl_names)
         self._objects: Dict[str, Any] = {}
 
     def register(self, name: Optional[str] = None) -> Callable[[Any], Any]:
@@ -51,6 +58,12 @@ class Registry:
         if name not in self._objects:
             key = key or self.config_key
             where = f" (config key {key})" if key else ""
+            if name in self.vissl_names:
+                raise UserError(
+                    f"{self.kind} {name!r}{where} is one of VISSL's that ssl_engine does not implement; "
+                    f"implemented: {', '.join(sorted(self._objects)) or '(none)'}; to use your own, register it "
+                    f"with @{self.symbol}.register({name!r}) in a file listed in config.USER_MODULES"
+                )
             raise UserError(
                 f"unknown {self.kind} {name!r}{where}{did_you_mean(str(name), self._objects)}; "
                 f"known: {', '.join(sorted(self._objects)) or '(none)'}"
@@ -71,11 +84,16 @@ TASKS = Registry("task", "config.TRAINER.TASK_NAME")
 TRAIN_STEPS = Registry("train step", "config.TRAINER.TRAIN_STEP_NAME")
 ENGINES = Registry("engine", "engine_name")
 HOOKS = Registry("hook", "config.HOOKS.CUSTOM[].name")
-TRUNKS = Registry("trunk", "config.MODEL.TRUNK.NAME")
-HEADS = Registry("head", "config.MODEL.HEAD.PARAMS")
-LOSSES = Registry("loss", "config.LOSS.name")
-METERS = Registry("meter", "config.METERS.names")
+TRUNKS = Registry("trunk", "config.MODEL.TRUNK.NAME", "TRUNKS", vissl_names=(
+    "alexnet_bvlc", "alexnet_colorization", "alexnet_deepcluster", "alexnet_jigsaw", "alexnet_rotnet", "convit",
+    "efficientnet", "regnet_fsdp", "vision_transformer", "xcit"))
+HEADS = Registry("head", "config.MODEL.HEAD.PARAMS", "HEADS", vissl_names=("dino_head", "identity", "siamese_concat_view"))
+LOSSES = Registry("loss", "config.LOSS.name", "LOSSES", vissl_names=(
+    "bce_logits_multiple_output_single_target", "deepclusterv2_loss", "dino_loss", "nce_loss_with_memory",
+    "swav_momentum_loss"))
+METERS = Registry("meter", "config.METERS.names", "METERS", vissl_names=("mean_ap_list_meter",))
 OPTIMIZERS = Registry("optimizer", "config.OPTIMIZER.name")
 DATA_SOURCES = Registry("data source", "config.DATA.<split>.DATA_SOURCES")
 TRANSFORMS = Registry("transform", "config.DATA.<split>.TRANSFORMS[].name")
-COLLATORS = Registry("collator", "config.DATA.<split>.COLLATE_FUNCTION")
+COLLATORS = Registry("collator", "config.DATA.<split>.COLLATE_FUNCTION", "COLLATORS", vissl_names=(
+    "cutmixup_collator", "patch_and_image_collator", "siamese_collator", "targets_one_hot_default_collator"))

@@ -119,6 +119,14 @@ ROWS: List[Row] = [
       ("unknown trunk 'resnt'", "config.MODEL.TRUNK.NAME", "known: mlp, regnet, resnet")),
     R("unknown-loss", ("config.LOSS.name=cross_entropy",), ("unknown loss 'cross_entropy'", "config.LOSS.name", "known:"),
     tool=False),
+    # a part of a VISSL method this engine lacks is named as such, with no "did you mean" another
+    # implemented part (deepclusterv2_loss is not swav_loss) and how to register one's own
+    R("vissl-loss-not-implemented", ("config.LOSS.name=deepclusterv2_loss",),
+      ("loss 'deepclusterv2_loss' (config key config.LOSS.name) is one of VISSL's that ssl_engine does not implement",
+       "implemented: CrossEntropyLoss,", "@LOSSES.register('deepclusterv2_loss') in a file listed in config.USER_MODULES"), tool=False),
+    R("vissl-trunk-not-implemented", ("config.MODEL.TRUNK.NAME=vision_transformer",),
+      ("trunk 'vision_transformer' (config key config.MODEL.TRUNK.NAME) is one of VISSL's",
+       "implemented: mlp, regnet, resnet"), tool=False),
     R("unknown-transform", ("config.DATA.TRAIN.TRANSFORMS=[{name:ToTensr}]",),
       ("unknown transform 'ToTensr'", "did you mean 'ToTensor'"), tool=False),
     R("unknown-engine", ("engine_name=trian",), ("unknown engine 'trian'", "known: extract_features, train"),
@@ -127,14 +135,16 @@ ROWS: List[Row] = [
     R("unknown-parts-together", ("config.MODEL.HEAD.PARAMS=[[siamese_concat_view,{num_towers:9}]]",
                                  "config.DATA.TRAIN.COLLATE_FUNCTION=siamese_collator",
                                  "config.DATA.TRAIN.TRANSFORMS=[{name:ToTensor},{name:ShuffleImgPatches}]"),
-      ("this config names 3 parts that are not registered", "head 'siamese_concat_view' (config.MODEL.HEAD.PARAMS[0][0])",
-       "collator 'siamese_collator' (config.DATA.TRAIN.COLLATE_FUNCTION)",
+      ("this config names 3 parts that are not registered",
+       "head 'siamese_concat_view' (config.MODEL.HEAD.PARAMS[0][0]; one of VISSL's that ssl_engine does not implement)",
+       "collator 'siamese_collator' (config.DATA.TRAIN.COLLATE_FUNCTION; one of VISSL's",
        "transform 'ShuffleImgPatches' (config.DATA.TRAIN.TRANSFORMS[1].name)", "known heads: eval_mlp, mlp",
        "known collators:", "config.USER_MODULES"), tool=False),
     # one part named for both splits counts once, with both keys
     R("unknown-part-in-both-splits", ("config.TEST_MODEL=true", "config.DATA.TRAIN.DATA_SOURCES=[everstore]",
                                       "config.DATA.TEST.DATA_SOURCES=[everstore]", "config.LOSS.name=nce_loss_with_memory"),
-      ("this config names 2 parts that are not registered", "loss 'nce_loss_with_memory' (config.LOSS.name)",
+      ("this config names 2 parts that are not registered",
+       "loss 'nce_loss_with_memory' (config.LOSS.name; one of VISSL's that ssl_engine does not implement)",
        "data source 'everstore' (config.DATA.TRAIN.DATA_SOURCES[0], config.DATA.TEST.DATA_SOURCES[0])"), tool=False),
     # a stray key in the options of a VISSL loss this engine lacks says that the loss is missing,
     # not which key of another loss is closest
@@ -146,8 +156,8 @@ ROWS: List[Row] = [
     # this engine lacks (VISSL takes such yaml keys): the one line names every missing part
     R("vissl-method-with-staged-heads", ("config={fx}/pirl_like.yaml", "config.MODEL.HEAD.PARAMS=[[[mlp,{dims:[16,8]}],"
                                          "[siamese_concat_view,{num_towers:9}]],[[mlp,{dims:[16,8]}]]]"),
-      ("this config names 2 parts that are not registered", "head 'siamese_concat_view' (config.MODEL.HEAD.PARAMS[0][1][0])",
-       "loss 'nce_loss_with_memory' (config.LOSS.name)", "known losses: CrossEntropyLoss"), tool=False),
+      ("this config names 2 parts that are not registered", "head 'siamese_concat_view' (config.MODEL.HEAD.PARAMS[0][1][0]; one of VISSL's",
+       "loss 'nce_loss_with_memory' (config.LOSS.name; one of VISSL's", "known losses: CrossEntropyLoss"), tool=False),
     # -- data ---------------------------------------------------------------------------------------
     R("missing-data-paths", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS", "disk_folder")),

@@ -450,6 +450,23 @@ def test_registry_lists_known_names_on_unknown():
         reg.register("round")(square)
 
 
+def test_registry_names_a_vissl_part_it_lacks_as_such_and_lets_a_user_register_it():
+    """A name VISSL registers that the engine lacks is not answered with the closest name it has
+    (a VISSL deepclusterv2_loss is no swav_loss), and a user module may still register it."""
+    reg = Registry("loss", "config.LOSS.name", "LOSSES", vissl_names=("deepclusterv2_loss",))
+    reg.register("swav_loss")(object)
+    with pytest.raises(UserError) as e:
+        reg.get("deepclusterv2_loss")
+    assert "one of VISSL's that ssl_engine does not implement; implemented: swav_loss" in str(e.value)
+    assert "@LOSSES.register('deepclusterv2_loss')" in str(e.value) and "did you mean" not in str(e.value)
+
+    @reg.register("deepclusterv2_loss")
+    class Mine:
+        pass
+
+    assert reg.get("deepclusterv2_loss") is Mine
+
+
 def test_extraction_asks_a_model_only_prepare_only_of_tasks_that_take_it():
     """A user task whose prepare(self, local_rank=0) predates the data keyword still builds
     (as it always did) instead of failing with a TypeError."""

@@ -755,7 +755,9 @@ def check_registered_names(cfg: AttrDict) -> None:
         registry, key, name = unknown[0]
         registry.get(name, key)  # its own message, with the closest names
     if keys_of:
-        parts = ", ".join(f"{kind} {n!r} ({', '.join(keys)})" for (kind, n), keys in keys_of.items())
+        parts = ", ".join(f"{kind} {n!r} ({', '.join(keys)}"
+                          + ("; one of VISSL's that ssl_engine does not implement" if n in registries[kind].vissl_names else "")
+                          + ")" for (kind, n), keys in keys_of.items())
         known = "; ".join(f"known {kind}{'es' if kind.endswith('s') else 's'}: {', '.join(r.names()) or '(none)'}"
                           for kind, r in registries.items())
         raise ConfigError(

@@ -199,6 +199,24 @@ ROWS: List[Row] = [
     R("best-metric-without-test-phases", ("config.HOOKS.BEST_CHECKPOINT.METRIC=test_loss",),
       ("config.HOOKS.BEST_CHECKPOINT.METRIC='test_loss' is a test metric, but this run has no test phase "
        "(config.TEST_MODEL=false, config.TEST_ONLY=false)",), tool=False),
+    # a loss with one class per output row, and a split that gives the model several inputs per
+    # sample (the model puts them one after the other in the batch): refused before launch, naming
+    # where the inputs come from, instead of the loss's shape error at the first step
+    R("two-data-sources-one-label", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder,disk_folder]",
+                                     "config.DATA.TRAIN.DATA_PATHS=[{fx}/images,{fx}/images]",
+                                     "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("config.DATA.TRAIN gives the model 2 inputs per sample and one label",
+       "config.LOSS.name=cross_entropy_multiple_output_single_target, which needs a label per output row",
+       "DATA_SOURCES=['disk_folder', 'disk_folder'] (one input per data source")),
+    R("two-label-sources", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder,disk_folder]",
+                            "config.DATA.TRAIN.DATA_PATHS=[{fx}/images,{fx}/images]",
+                            "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder,disk_folder]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
+      ("config.DATA.TRAIN.LABEL_SOURCES=['disk_folder', 'disk_folder'] gives 2 labels per sample",
+       "takes one: name one label source"), tool=False),
+    R("replicated-views-one-label", ("config.DATA.TRAIN.TRANSFORMS=[{name:ImgReplicatePil,num_times:2},"
+                                     "{name:Resize,size:[32,32]},{name:ToTensor}]",),
+      ("config.DATA.TRAIN gives the model 2 inputs per sample and one label",
+       "config.DATA.TRAIN.TRANSFORMS / COLLATE_FUNCTION (views made by ImgReplicatePil"), tool=False),
     R("labels-all-ignored", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                              "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                              "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_unlabelled.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),

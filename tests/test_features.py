@@ -666,7 +666,7 @@ def test_extraction_refuses_augmented_multi_view_batches(pretrained: Path, tmp_p
                  "config.DATA.TRAIN.DATA_LIMIT=8"], ok=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
-    assert err[-1].startswith("error: ") and "2 views per sample" in err[-1]
+    assert err[-1].startswith("error: ") and "2 inputs per sample" in err[-1] and "ImgReplicatePil" in err[-1]
 
 
 def test_a_preemption_signal_stops_extraction_and_the_rerun_completes(pretrained: Path, tmp_path: Path) -> None:
@@ -1059,7 +1059,7 @@ def test_an_extraction_that_fails_while_running_marks_its_split_failed(tmp_path:
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
     status = extraction_status(out, "TRAIN")
-    assert status["status"] == "failed" and "2 views per sample" in status["error"], status
-    with pytest.raises(FeatureShardError, match="failed .*2 views per sample"):
+    assert status["status"] == "failed" and "2 inputs per sample" in status["error"], status
+    with pytest.raises(FeatureShardError, match="failed .*2 inputs per sample"):
         load_features(out, "train", "heads")
 

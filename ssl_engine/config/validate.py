@@ -1049,14 +1049,63 @@ def first_samples(datasets: Dict[str, Any]) -> Dict[str, Any]:
     return samples
 
 
-def check_samples_batch(samples: Dict[str, Any], loaders: Dict[str, Any]) -> None:
+def check_samples_batch(samples: Dict[str, Any], loaders: Dict[str, Any]) -> Dict[str, Any]:
     """Each split's collator takes its first sample (twice, as a batch of two): a split whose
     transforms do not end in tensors (a TEST list without ToTensor) is the collator's one-line
-    error before launch, not after a whole train phase has run."""
+    error before launch, not after a whole train phase has run. Returns those batches."""
+    batches = {}
     for split, sample in samples.items():
         loader = loaders.get(split)
         if loader is not None:
-            _checked(f"a batch of the {split} data", loader.collate_fn, [sample, sample])
+            batch = _checked(f"a batch of the {split} data", loader.collate_fn, [sample, sample])
+            if batch is not None:
+                batches[split] = batch
+    return batches
+
+
+def inputs_origin(cfg: AttrDict, split: str, fix: str) -> str:
+    """Which keys give a split several inputs per sample: several DATA_SOURCES (one input
+    each), or view-making TRANSFORMS / COLLATE_FUNCTION (``fix`` says what to do about those)."""
+    sources = list(cfg.DATA[split].DATA_SOURCES)
+    if len(sources) > 1:
+        return (f"config.DATA.{split}.DATA_SOURCES={show_value(sources)} (one input per data source; VISSL's "
+                f"MULTI_INPUT_HEAD_MAPPING, which sends each to its own head, is not implemented: use one data source)")
+    return f"config.DATA.{split}.TRANSFORMS / COLLATE_FUNCTION (views made by ImgReplicatePil / multi-crop transforms: {fix})"
+
+
+def check_label_per_row(cfg: AttrDict, loss: Any, batches: Dict[str, Any]) -> None:
+    """A loss whose target is one class per output row (cross-entropy) gets one label tensor with
+    a label for each row the model outputs. The model concatenates a sample's inputs along the
+    batch (multi-crop), so a split with several inputs per sample (two DATA_SOURCES, replicated
+    views without a collator that replicates the labels too) gives more rows than labels: the
+    loss's shape error in the first step, which is refused here, naming the keys."""
+    import torch
+
+    if not getattr(loss, "class_index_targets", False):
+        return
+    for split, batch in batches.items():
+        labels, data = batch.get("label"), batch.get("data")
+        if not isinstance(labels, list) or not isinstance(data, list) or not labels:
+            continue
+        name = f"config.LOSS.name={cfg.LOSS.name}"
+        label_sources = list(cfg.DATA[split].LABEL_SOURCES)
+        if len(labels) > 1 and len(label_sources) > 1:
+            raise UserError(
+                f"config.DATA.{split}.LABEL_SOURCES={show_value(label_sources)} gives {len(labels)} labels per "
+                f"sample; {name} takes one: name one label source"
+            )
+        label = labels[0]
+        if not isinstance(label, torch.Tensor) or label.ndim < 1 or not all(isinstance(t, torch.Tensor) and t.ndim
+                                                                            for t in data):
+            continue
+        rows = sum(int(t.shape[0]) for t in data)
+        if len(labels) > 1 or rows != int(label.shape[0]):  # several views, each with its copy of the label
+            per = len(data) if len(data) > 1 else rows / max(1, int(label.shape[0]))
+            raise UserError(
+                f"config.DATA.{split} gives the model {per:g} inputs per sample and one label, so {name}, which "
+                f"needs a label per output row, would fail at the first step; the inputs come from "
+                f"{inputs_origin(cfg, split, 'remove them, or use a loss made for several views')}"
+            )
 
 
 def check_model_runs_on_samples(model: Any, samples: Dict[str, Any]) -> None:
@@ -1190,7 +1239,9 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
 
             check_metric_before_launch(build_cfg, meters, splits)
     samples = first_samples(datasets)
-    check_samples_batch(samples, loaders)
+    batches = check_samples_batch(samples, loaders)
+    if cfg.engine_name == "train" and loss is not None:
+        check_label_per_row(build_cfg, loss, batches)
     notes: List[Optional[str]] = []
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         notes.append(_checked("the batch size against the loss", check_loss_batch, build_cfg, loss, loaders["TRAIN"],

@@ -283,10 +283,12 @@ def _write_features(task: Any, split: str, batches: Any, writer: Any, unreadable
             views, inds = batch["data"], batch["data_idx"][0].numpy()
             unique = _num_unique(inds)
             if len(views) != 1 or unique != len(inds):
+                from ssl_engine.config.validate import inputs_origin
+
                 raise UserError(
-                    f"config.DATA.{split}.TRANSFORMS / COLLATE_FUNCTION give "
-                    f"{max(len(views), len(inds) // max(unique, 1))} views per sample; feature extraction needs one "
-                    f"(remove ImgReplicatePil / multi-crop transforms and use COLLATE_FUNCTION default_collate)"
+                    f"config.DATA.{split} gives {max(len(views), len(inds) // max(unique, 1))} inputs per sample; "
+                    f"feature extraction needs one; they come from "
+                    f"{inputs_origin(cfg, split, 'remove them and use COLLATE_FUNCTION default_collate')}"
                 )
             with task.autocast():
                 feats = model.extract_features(views[0].to(task.device, non_blocking=non_blocking))

@@ -375,3 +375,27 @@ def test_the_pool_op_check_before_launch_covers_every_split() -> None:
     check_model_runs_on_samples(model, {"TRAIN": train})
     with pytest.raises(UserError, match=r"does not fit trunk layer 'res4' of \[256, 1, 1\] \(input images 8x8\)"):
         check_model_runs_on_samples(model, {"TRAIN": train, "TEST": {"data": [torch.zeros(3, 8, 8)]}})
+
+
+@pytest.mark.parametrize("op, message", [
+    ("[Flatten,[5]]", r"Flatten\(start_dim=5, end_dim=-1\) does not fit trunk layer 'res4' of \[256, 2, 2\].*Dimension out of range"),
+    ("[AdaptiveAvgPool2d,[abc]]", r"AdaptiveAvgPool2d\(output_size=abc\) does not fit trunk layer 'res4'"),
+    ("[AdaptiveAvgPool2d,[[0,0]]]", r"LINEAR_EVAL_FEAT_POOL_OPS_MAP\[1\]: AdaptiveAvgPool2d\(output_size=\(0, 0\)\) gives trunk "
+                                    r"layer 'res4' .*holds no value"),
+])
+def test_a_pool_op_that_fails_its_layer_in_any_way_is_one_line_before_launch(op: str, message: str) -> None:
+    """A pool op fails a layer it does not fit with a ValueError, TypeError or IndexError as well as a
+    RuntimeError, or gives features of no value (an output size of 0), which the feature writer
+    cannot store: each is the map entry's one line before launch (the same check runs at each step)."""
+    from ssl_engine.config.validate import check_model_runs_on_samples
+    from ssl_engine.errors import UserError
+    from ssl_engine.models import build_model
+
+    cfg = compose(["config=quick/linear_eval_digits",
+                   f"config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP=[[res5avg,[Identity,[]]],[res4,{op}]]",
+                   "config.MODEL.HEAD.PARAMS=[[eval_mlp,{in_channels:512,dims:[512,10]}],"
+                   "[eval_mlp,{in_channels:256,dims:[256,10]}]]"], warn_unused=False)
+    with pytest.raises(UserError, match=message):  # an output size of 0 is found when the heads are built
+        with torch.device("meta"):
+            model = build_model(cfg.MODEL, cfg.OPTIMIZER)
+        check_model_runs_on_samples(model, {"TRAIN": {"data": [torch.zeros(3, 32, 32)]}})

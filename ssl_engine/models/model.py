@@ -30,6 +30,10 @@ from ssl_engine.models.param_names import match_params, no_such_params
 from ssl_engine.models.pooling import POOL_OPS_KEY, parse_feat_pool_ops_map, pooled_positions
 from ssl_engine.registry import HEADS, TRUNKS, accepted_params
 
+# what a torch.nn pool op raises on a feature map it does not fit: a kernel larger than the map
+# (RuntimeError), too few dimensions (ValueError), a bad argument (TypeError), a dim out of range
+POOL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
+
 logger = logging.getLogger(__name__)
 
 Batch = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -184,6 +188,11 @@ class SSLModel(nn.Module):
             positions = 1 if op is None and layer in vectors else None
             if op is not None:
                 positions = pooled_positions(op, layer in vectors)
+                if positions == 0:
+                    raise UserError(
+                        f"{POOL_OPS_KEY}[{idx}]: {op} gives trunk layer {layer!r} an output that holds no value; give "
+                        f"the op an output size of at least 1"
+                    )
             where = f"{HEAD_KEY}[{idx}] ({self.head_names[idx]})"
             if getattr(head, "input_is_channels", False):
                 if in_dim != channels:
@@ -324,10 +333,18 @@ class SSLModel(nn.Module):
         feats = self._trunk_forward(batch, list(self.feat_layer_names))
         with self._frozen_trunk_no_grad():
             try:
-                feats = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
-            except RuntimeError:  # no cost until raised (python >= 3.11)
+                pooled = [op(f) for op, f in zip(self.feat_pool_ops, feats)]
+            except POOL_ERRORS:  # no cost until raised (python >= 3.11)
                 self._explain_pool_error(batch, feats)
                 raise
+        for idx, (p, f) in enumerate(zip(pooled, feats)):
+            if 0 in p.shape[1:]:  # e.g. AdaptiveAvgPool1d([0]): features of no value, which no file can hold
+                raise UserError(
+                    f"{POOL_OPS_KEY}[{idx}]: {self.feat_pool_ops[idx]} gives trunk layer {self.feat_layer_names[idx]!r} "
+                    f"of {list(f.shape[1:])} an output of {list(p.shape[1:])}, which holds no value; give the op an "
+                    f"output size of at least 1"
+                )
+        feats = pooled
         if flatten:
             feats = [f.reshape(f.shape[0], -1) for f in feats]
         return feats
@@ -341,7 +358,7 @@ class SSLModel(nn.Module):
             try:
                 with torch.no_grad():
                     op(feat[:1])
-            except RuntimeError as e:
+            except POOL_ERRORS as e:
                 first = batch if isinstance(batch, torch.Tensor) else list(batch)[0]
                 image = "x".join(str(d) for d in first.shape[2:]) if first.ndim > 2 else "?"
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

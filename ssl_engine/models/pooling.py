@@ -98,15 +98,12 @@ def pooled_positions(op: nn.Module, input_is_vector: bool) -> Optional[int]:
     ``input_is_vector`` says the layer is [N, C] or [N, C, 1, 1] whatever the image size
     (e.g. res5avg); then shape-keeping ops leave one position.
     """
-    if isinstance(op, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
+    if isinstance(op, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)):
         size = op.output_size
-        sizes = size if isinstance(size, tuple) else (size, size)
-        if any(s is None for s in sizes):
-            return None
+        sizes = list(size) if isinstance(size, (tuple, list)) else [size] * (1 if "1d" in type(op).__name__ else 2)
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+            return None  # None (the input's size) or a bad value: the op says which when it runs
         return int(math.prod(sizes))
-    if isinstance(op, (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)):
-        size = op.output_size
-        return int(size[0] if isinstance(size, tuple) else size)
     if input_is_vector and isinstance(op, (nn.Identity, nn.Flatten)):
         return 1
     return None

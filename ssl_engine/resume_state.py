@@ -60,6 +60,11 @@ def state_problem(data: Dict[str, Any]) -> Optional[str]:
         if not isinstance(value, bool):
             shown = "missing" if value is None else f"{value!r}"
             return f"its {where}{key} is {shown}, where a training checkpoint has true or false"
+    batches = (values.get("phase_data") or {}).get("batches") if isinstance(values.get("phase_data"), dict) else None
+    if flags and not flags["phase_complete"] and is_int(batches) and int(values["local_iteration_num"]) > int(batches):
+        # a phase stopped part-way cannot be further into its data than the phase is long
+        return (f"its {where}local_iteration_num is {values['local_iteration_num']}, beyond the {batches} batches "
+                f"of the phase it stopped in ({where}phase_data.batches): it was changed since it was written")
     return None
 
 

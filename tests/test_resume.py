@@ -884,6 +884,25 @@ def test_a_checkpoint_with_impossible_counters_is_skipped_or_refused(setup, refe
     assert_bitwise_equal(tensors_of(reference[0] / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
 
+def test_a_position_beyond_the_phase_it_stopped_in_is_an_impossible_counter():
+    """A phase stopped part-way is at most as far into its data as the phase is long (the
+    checkpoint's own phase_data.batches); further is a changed file, which auto-resume skips and
+    RESUME_FROM refuses (it would have ended the phase at once, with no word)."""
+    from ssl_engine.resume_state import state_problem
+
+    def checkpoint(local, complete=False):
+        return {"classy_state_dict": {"base_model": {"model": {}}, "phase_idx": 0, "train_phase_idx": 0,
+                                      "iteration": 3, "local_iteration_num": local, "train": True,
+                                      "phase_complete": complete,
+                                      "phase_data": {"global_batch": 4, "num_samples": 12, "batches": 3}}}
+
+    assert state_problem(checkpoint(2)) is None and state_problem(checkpoint(3)) is None
+    assert state_problem(checkpoint(4)) == (
+        "its classy_state_dict.local_iteration_num is 4, beyond the 3 batches of the phase it stopped in "
+        "(classy_state_dict.phase_data.batches): it was changed since it was written")
+    assert state_problem(checkpoint(10**6, complete=True)) is None  # a finished phase's count is not a position
+
+
 def test_a_checkpoint_without_optimizer_state_says_the_optimizer_starts_fresh(setup, reference, tmp_path):
     root, cfg = setup
     data = torch.load(str(reference[0] / "model_phase0.torch"), map_location="cpu", weights_only=True)

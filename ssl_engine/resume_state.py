@@ -11,7 +11,9 @@ one before any part of it is used (auto-resume then skips it for an older one).
 
 import logging
 from numbers import Integral
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
+
+from ssl_engine.errors import first_few
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,18 @@ WRITTEN_BY_VISSL = "VISSL"
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an integer of a file's record (a bool, which is an int to Python, is not)."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def non_finite_tensors(tree: Any, prefix: str = "") -> List[str]:
+    """The names of the floating-point tensors in a nested dict of weights that hold NaN or inf."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):  # a file read without its data (meta tensors, before launch) has no values
+        bad = tree.is_floating_point() and not tree.is_meta and not bool(torch.isfinite(tree).all())
+        return [prefix or "the weights"] if bad else []
+    if isinstance(tree, dict):
+        return [name for k, v in tree.items() for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
+    return []
 
 
 def written_by_vissl(data: Dict[str, Any]) -> bool:
@@ -60,6 +74,10 @@ def state_problem(data: Dict[str, Any]) -> Optional[str]:
         if not isinstance(value, bool):
             shown = "missing" if value is None else f"{value!r}"
             return f"its {where}{key} is {shown}, where a training checkpoint has true or false"
+    bad = non_finite_tensors(state["base_model"])
+    if bad:  # a run stops on a NaN loss before it checkpoints: such weights come from a changed or foreign file
+        return (f"its model weights hold NaN or infinite values ({first_few(bad)}): it was changed since it was "
+                f"written, or another program wrote it")
     batches = (values.get("phase_data") or {}).get("batches") if isinstance(values.get("phase_data"), dict) else None
     if flags and not flags["phase_complete"] and is_int(batches) and int(values["local_iteration_num"]) > int(batches):
         # a phase stopped part-way cannot be further into its data than the phase is long

@@ -903,6 +903,24 @@ def test_a_position_beyond_the_phase_it_stopped_in_is_an_impossible_counter():
     assert state_problem(checkpoint(10**6, complete=True)) is None  # a finished phase's count is not a position
 
 
+def test_a_checkpoint_with_nan_weights_is_a_changed_file():
+    """A run stops on a non-finite loss before it checkpoints, so NaN / inf weights in a training
+    checkpoint come from a changed or foreign file: auto-resume skips it, RESUME_FROM refuses it
+    (as PARAMS_FILE refuses such weights), instead of a NaN loss at the first step. A file read
+    without its data (meta tensors, the check before launch) is not judged by values."""
+    from ssl_engine.resume_state import state_problem
+
+    weights = {"trunk": {"w": torch.ones(3), "n": torch.tensor([1, 2])}, "heads": {"b": torch.zeros(2)}}
+    data = {"classy_state_dict": {"base_model": {"model": weights}, "phase_idx": 0, "train_phase_idx": 0,
+                                  "iteration": 3, "local_iteration_num": 3, "train": True, "phase_complete": True}}
+    assert state_problem(data) is None
+    weights["heads"]["b"][1] = float("inf")
+    assert state_problem(data) == ("its model weights hold NaN or infinite values ('model.heads.b'): it was changed "
+                                   "since it was written, or another program wrote it")
+    weights["heads"]["b"] = torch.empty(2, device="meta")
+    assert state_problem(data) is None
+
+
 def test_a_checkpoint_without_optimizer_state_says_the_optimizer_starts_fresh(setup, reference, tmp_path):
     root, cfg = setup
     data = torch.load(str(reference[0] / "model_phase0.torch"), map_location="cpu", weights_only=True)

@@ -217,6 +217,16 @@ ROWS: List[Row] = [
                                      "{name:Resize,size:[32,32]},{name:ToTensor}]",),
       ("config.DATA.TRAIN gives the model 2 inputs per sample and one label",
        "config.DATA.TRAIN.TRANSFORMS / COLLATE_FUNCTION (views made by ImgReplicatePil"), tool=False),
+    # the TEST split is read in order: a batch of it holding only ignored labels is known before launch
+    # (its loss is NaN: the run would stop there after a whole train phase)
+    R("test-batch-all-ignored", ("config.TEST_MODEL=true", "config.DATA.TEST.DATA_SOURCES=[disk_filelist]",
+                                 "config.DATA.TEST.DATA_PATHS=[{fx}/images.npy]", "config.DATA.TEST.LABEL_SOURCES=[disk_filelist]",
+                                 "config.DATA.TEST.LABEL_PATHS=[{fx}/labels_unlabelled_first.npy]",
+                                 "config.DATA.TEST.DATA_LIMIT=-1", "config.DATA.TEST.BATCHSIZE_PER_REPLICA=3",
+                                 "config.DATA.TEST.TRANSFORMS=[{name:Resize,size:[32,32]},{name:ToTensor}]"),
+      ("config.DATA.TEST: batch 1 (samples 0 to 2 of the TEST data, read in order) holds only the label -1",
+       "config.LOSS.name=cross_entropy_multiple_output_single_target ignores", "place them among labelled ones"),
+      tool=False),
     R("labels-all-ignored", ("config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]", "config.DATA.TRAIN.DATA_PATHS=[{fx}/images.npy]",
                              "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]",
                              "config.DATA.TRAIN.LABEL_PATHS=[{fx}/labels_unlabelled.npy]", "config.DATA.TRAIN.DATA_LIMIT=-1"),
@@ -448,6 +458,7 @@ def make_fixture_files(fx: Path) -> None:
     (fx / "empty.npy").write_bytes(b"")
     (fx / "latin1.txt").write_bytes(b"/nowhere/caf\xe9.png\n")
     np.save(fx / "labels_unlabelled.npy", np.full(6, -1))  # VISSL's label of an unlabelled image, on every one
+    np.save(fx / "labels_unlabelled_first.npy", np.array([-1, -1, -1, 0, 1, 0]))  # a TEST batch of 3 with none labelled
     np.save(fx / "labels_half.npy", np.array([0.0, 0.5, 1.0, 1.0, 0.0, 1.0]))
     np.save(fx / "labels_float100.npy", np.array([0.0, 1.0, 100.0, 1.0, 0.0, 1.0]))
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")

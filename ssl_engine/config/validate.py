@@ -1259,6 +1259,10 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
 
         # the only help on CUDA, where a label beyond the head's classes is an uncatchable device assert
         check_dataset_labels(build_cfg, datasets, model, loss, meters or [])
+        if "TEST" in datasets and loaders.get("TEST") is not None:
+            from ssl_engine.models.label_range import check_ordered_batches_labelled
+
+            check_ordered_batches_labelled(build_cfg, "TEST", datasets["TEST"], loaders["TEST"].sampler, loss)
         if meters and any(split == "TEST" or build_cfg.METERS.enable_training_meter for split in splits):
             from ssl_engine.meters import check_meters_fit_model
 

@@ -97,6 +97,41 @@ def every_label_ignored(dataset: Any, ignore_index: Optional[int]) -> bool:
     return any(a.size and bool((a == ignore_index).all()) for a in _class_index_labels(dataset))
 
 
+def check_ordered_batches_labelled(cfg: Any, split: str, dataset: Any, sampler: Any, loss: Any) -> None:
+    """Before launch, for a split read in order (TEST): no batch of any rank may hold only labels
+    the loss ignores. Its loss would average over no sample (NaN) and stop the run at that batch,
+    after a whole train phase; the order is fixed, so the batch is known now. (A shuffled split
+    cannot be judged: there the step's non-finite-loss check says what happened.)"""
+    from ssl_engine.data.sampler import StatefulDistributedSampler, is_padded
+
+    ignored = getattr(loss, "ignore_index", None) if getattr(loss, "class_index_targets", False) else None
+    if ignored is None or sampler is None or getattr(sampler, "shuffle", True) or every_label_ignored(dataset, None):
+        return
+    transforms = getattr(dataset, "transforms", None)
+    if hasattr(transforms, "label_setters") and transforms.label_setters()[0] is not None:
+        return  # a transform (ImgRotatePil) gives entries their labels
+    arrays = _class_index_labels(dataset)
+    if not arrays or not any(bool((a == ignored).any()) for a in arrays):
+        return
+    labels = arrays[0]
+    size = sampler.batch_size
+    for rank in range(sampler.num_replicas):
+        keys = list(StatefulDistributedSampler(sampler.dataset_len, sampler.num_replicas, rank, shuffle=False,
+                                               drop_last=sampler.drop_last, batch_size=size, pad=sampler.pad))
+        batches = len(keys) // size if sampler.drop_last else -(-len(keys) // size)
+        for b in range(batches):
+            batch = keys[b * size:(b + 1) * size]
+            rows = [k[1] for k in batch if not is_padded(k)] or [k[1] for k in batch]
+            if bool((labels[rows] == ignored).all()):
+                where = f"rank {rank}'s batch {b + 1}" if sampler.num_replicas > 1 else f"batch {b + 1}"
+                raise ConfigError(
+                    f"config.DATA.{split}: {where} (samples {min(rows)} to {max(rows)} of the {split} data, read in "
+                    f"order) holds only the label {ignored} ({_label_origin(cfg, split)}), which config.LOSS.name="
+                    f"{cfg.LOSS.name} ignores: its loss would average over no sample (NaN) and stop the run there; "
+                    f"give those samples their labels, leave them out, or place them among labelled ones"
+                )
+
+
 def label_scorers(cfg: Any, split: str, loss: Any, meters: Sequence[Any],
                   flag: str = "class_index_targets") -> List[Any]:
     """The loss and meters that score ``split``'s labels (those whose class attribute ``flag`` is

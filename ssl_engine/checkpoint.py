@@ -777,9 +777,11 @@ def peek_checkpoint(path: Path) -> Dict[str, Any]:
     return data
 
 
-def _position(path: Path) -> Optional[Tuple[int, int]]:
-    """(iteration, phase_idx) a checkpoint file was written at, read without its tensors; None
-    when it cannot be read."""
+def _position(path: Path) -> Optional[Tuple[int, int, bool]]:
+    """(iteration, phase_idx, phase ended) a checkpoint file was written at, read without its
+    tensors; None when it cannot be read. An iteration checkpoint of a phase's last step and the
+    checkpoint of that phase's end (a final one) share iteration and phase_idx; the phase's end
+    is the further."""
     try:
         data = peek_checkpoint(path)
         position = data["iteration"], data["phase_idx"]
@@ -787,7 +789,8 @@ def _position(path: Path) -> Optional[Tuple[int, int]]:
         return None
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in position):
         return None  # a tensor, a string, ...: the search skips the file with its own warning
-    return position
+    state = data.get("classy_state_dict")
+    return position + (isinstance(state, dict) and state.get("phase_complete") is True,)
 
 
 def _unreadable_because(path: Path, error: Exception) -> str:

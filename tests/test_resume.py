@@ -467,26 +467,37 @@ def test_a_finished_runs_damaged_final_checkpoint_is_written_again(setup, refere
     assert r.returncode == 0 and "has finished" in r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("pointer", ["earlier", "missing"])
+@pytest.mark.parametrize("pointer", ["earlier", "last_iteration", "missing"])
 def test_a_finished_run_killed_before_its_pointer_swap_gets_its_pointer_back(setup, reference, tmp_path, pointer):
     """A kill between the final checkpoint's rename and the pointer swap left checkpoint.torch on
     an earlier file (or none) for good: the rerun, which finds the run finished, points it at
-    the final checkpoint (what PARAMS_FILE=<folder>/checkpoint.torch is meant to load)."""
+    the final checkpoint (what PARAMS_FILE=<folder>/checkpoint.torch is meant to load). The
+    iteration checkpoint of the run's last step has the final one's counters: the phase's end
+    is still the further (was: the pointer stayed on the iteration checkpoint)."""
     root, cfg = setup
     folder = tmp_path / "finished"
-    shutil.copytree(reference[0], folder, symlinks=True)
+    extra = []
+    if pointer == "last_iteration":  # no test phase after the last train phase: the two share their counters
+        extra = ["config.TEST_MODEL=false"]
+        assert run(cfg, folder, *extra).returncode == 0
+    else:
+        shutil.copytree(reference[0], folder, symlinks=True)
     final = f"model_final_checkpoint_phase{EPOCHS - 1}.torch"
     assert os.readlink(folder / "checkpoint.torch") == final
     (folder / "checkpoint.torch").unlink()
     if pointer == "earlier":
         earlier = sorted(p.name for p in folder.glob("model_iteration*.torch"))[-1]
         (folder / "checkpoint.torch").symlink_to(earlier)
-    r = run(cfg, folder)
+    elif pointer == "last_iteration":
+        last = f"model_iteration{ITERS_PER_EPOCH * EPOCHS}.torch"
+        assert (folder / last).is_file()
+        (folder / "checkpoint.torch").symlink_to(last)
+    r = run(cfg, folder, *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "has finished" in out and f"but the run's final checkpoint {final} was written after it" in out, out[-2000:]
     assert os.readlink(folder / "checkpoint.torch") == final
-    r = run(cfg, folder)  # and it stays as it is
+    r = run(cfg, folder, *extra)  # and it stays as it is
     assert r.returncode == 0 and "was written after it" not in r.stdout + r.stderr
 
 

@@ -187,6 +187,7 @@ class FolderLock:
         record = _owner_record()
         payload = (json.dumps(record, indent=1) + "\n").encode("utf-8")
         deadline = time.monotonic() + 10.0
+        warned: Optional[bytes] = None
         while True:
             if self._create(payload):
                 self.record = record
@@ -207,10 +208,12 @@ class FolderLock:
             gone = owner_is_gone(owner)
             if not gone:
                 raise _refusal(self.path, owner, gone)
-            log.warning(
-                "taking over the stale lock of %s %s: its owner (%s) no longer runs",
-                _KINDS.get(self.path.name, _KINDS[LOCK_NAME])[1], self.path.parent, describe_owner(owner),
-            )
+            if raw != warned:  # once per stale lock, not once per try while a takeover guard is in the way
+                warned = raw
+                log.warning(
+                    "taking over the stale lock of %s %s: its owner (%s) no longer runs",
+                    _KINDS.get(self.path.name, _KINDS[LOCK_NAME])[1], self.path.parent, describe_owner(owner),
+                )
             self._remove_if_unchanged(raw)
             if time.monotonic() > deadline:
                 raise FolderLockedError(f"could not take the lock {self.path}: other runs keep taking it; try again")
@@ -264,14 +267,11 @@ class FolderLock:
         try:
             fd = os.open(str(guard), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            try:
-                if time.time() - guard.stat().st_mtime > _STALE_TAKEOVER_SECONDS:
-                    guard.unlink()
-            except FileNotFoundError:
-                pass
+            _remove_stale_guard(guard)
             time.sleep(0.05)
             return
         try:
+            os.write(fd, (json.dumps(_owner_record()) + "\n").encode("utf-8"))  # who holds it, if it is left behind
             if _read(self.path) == raw:
                 self.path.unlink()
         except FileNotFoundError:
@@ -282,6 +282,26 @@ class FolderLock:
                 guard.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _remove_stale_guard(guard: Path) -> None:
+    """Delete a takeover guard that a process killed while it held it left behind: its owner (the
+    record inside) no longer runs, or it is older than any takeover takes (an empty guard: the
+    owner was killed before it wrote the record, or one written by an older version)."""
+    try:
+        raw = guard.read_bytes()
+        age = time.time() - guard.stat().st_mtime
+    except OSError:
+        return  # gone meanwhile, or not readable: the age rule of a later try decides
+    owner = _parse(raw)
+    stale = age > _STALE_TAKEOVER_SECONDS or (owner is not None and owner_is_gone(owner) is True) or (
+        owner is None and age > _UNREADABLE_GRACE_SECONDS)
+    if stale:
+        try:
+            if guard.read_bytes() == raw:  # not replaced by another process's guard since it was read
+                guard.unlink()
+        except OSError:
+            pass
 
 
 @contextlib.contextmanager

@@ -367,6 +367,32 @@ def test_lock_held_by_a_live_process_is_refused_naming_it(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+@pytest.mark.parametrize("guard", ["dead_owner", "empty"])
+def test_a_takeover_guard_left_by_a_killed_process_does_not_block_the_folder(tmp_path, caplog, guard):
+    """A process killed while it deleted a stale lock leaves its takeover guard: the next run takes
+    the folder over at once when the guard's owner is dead (an empty guard, killed before it wrote
+    its owner, after a few seconds), with one warning; it was 10 s of retries, ~200 warnings and
+    "other runs keep taking it" (exit 2), for a folder nobody held."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = {"pid": dead.pid, "host": socket.gethostname(), "start_ticks": 1, "token": "old"}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(stale))
+    guard_file = tmp_path / (LOCK_NAME + ".takeover")
+    guard_file.write_text(json.dumps(stale) if guard == "dead_owner" else "")
+    if guard == "empty":
+        old = time.time() - 6
+        os.utime(guard_file, (old, old))
+    caplog.set_level(logging.WARNING, logger="ssl_engine.lock")
+    t0 = time.monotonic()
+    with FolderLock(tmp_path) as held:
+        assert held.held and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert time.monotonic() - t0 < 5.0
+    assert [r.getMessage() for r in caplog.records].count(
+        f"taking over the stale lock of checkpoint folder {tmp_path}: its owner (pid {dead.pid} on host "
+        f"{socket.gethostname()}) no longer runs") == 1
+    assert not guard_file.exists() and not (tmp_path / LOCK_NAME).exists()
+
+
 def test_two_processes_racing_for_one_folder_get_it_once(tmp_path):
     start = str(time.time() + 4.0)
     procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), start], stdout=subprocess.PIPE, text=True,

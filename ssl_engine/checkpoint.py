@@ -594,6 +594,11 @@ def named_file(value: Any, key: str) -> Path:
         hint = f"e.g. {found[0]}" if found else "the folder holds no checkpoint"
         raise CheckpointError(f"{key}: {path} is a folder; name a checkpoint file ({hint})")
     if not path.is_file():
+        if path.exists() or path.is_symlink():  # a device, a FIFO, a socket, a link that leads nowhere readable
+            kind = ("a symbolic link that leads to no file (dangling, or a loop)" if not path.exists() else
+                    "a character device" if path.is_char_device() else "a named pipe (FIFO)" if path.is_fifo() else
+                    "a socket" if path.is_socket() else "not a regular file")
+            raise CheckpointError(f"{key}: {str(value)!r} is {kind}; name a checkpoint file")
         raise CheckpointError(does_not_exist(key, value))
     return path
 

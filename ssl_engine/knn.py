@@ -197,10 +197,14 @@ def knn_on_folder(
 ) -> Dict[int, float]:
     """:func:`knn_accuracy` on the train and test shards of ``layer`` in a features folder."""
     train, test = load_train_and_test(folder, layer, train_split, test_split)
-    return knn_accuracy(
-        train["features"], train["targets"], test["features"], test["targets"],
-        topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size, l2_norm=l2_norm,
-    )
+    try:
+        return knn_accuracy(
+            train["features"], train["targets"], test["features"], test["targets"],
+            topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size, l2_norm=l2_norm,
+        )
+    except UserError as e:  # say which layer of which folder (a folder may hold several)
+        text = str(e)
+        raise UserError(f"kNN {layer} in {folder}: " + (text[len("kNN: "):] if text.startswith("kNN: ") else text)) from None
 
 
 def load_train_and_test(

@@ -105,12 +105,17 @@ ROWS: List[Row] = [
     R("config-no-such-name", ("config=quick/supervised_digit",),
       ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits",
        "SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding config/quick/supervised_digit.yaml)")),
+    R("config-file-without-yaml-ending", ("config={fx}/experiment",),
+      ("config={fx}/experiment is a file without a .yaml ending", "rename it to experiment.yaml"), tool=False),
     R("config-no-such-file", ("config={fx}/nothere.yaml",), ("config={fx}/nothere.yaml: no such file",)),
     # -- the command line ---------------------------------------------------------------------------
     R("override-not-key-value", ("config.OPTIMIZER.num_epochs",),
       ("override 'config.OPTIMIZER.num_epochs' is not of the form key=value",)),
     R("override-bad-grammar", ("config.MODEL.HEAD.PARAMS=[[mlp,",),
       ("override 'config.MODEL.HEAD.PARAMS=[[mlp,' cannot be parsed",)),
+    R("override-non-ascii-value", ("config.CHECKPOINT.DIR=/tmp/ünï",),
+      ("override 'config.CHECKPOINT.DIR=/tmp/ünï' cannot be parsed: hydra takes a value holding 'ü' only quoted",
+       """'config.CHECKPOINT.DIR="/tmp/ünï"'""")),
     R("add-existing-key", ("+config.LOG_FREQUENCY=3",), ("+config.LOG_FREQUENCY", "already exists")),
     R("unknown-option", ("--epochs=3",), ("unknown option '--epochs=3'",)),
     R("node-id-not-int", ("node_id=first",), ("node_id='first' is not an integer",)),
@@ -385,6 +390,12 @@ ROWS: List[Row] = [
       ("refused to load {fx}/payload.torch",)),
     R("resume-from-missing", ("config.CHECKPOINT.RESUME_FROM={fx}/nothere.torch",),
       ("config.CHECKPOINT.RESUME_FROM", "{fx}/nothere.torch", "does not exist"), tool=False),
+    R("resume-from-truncated", ("config.CHECKPOINT.RESUME_FROM={fx}/truncated.torch",),
+      ("config.CHECKPOINT.RESUME_FROM: checkpoint {fx}/truncated.torch is truncated or corrupt",), tool=False),
+    R("resume-from-a-device", ("config.CHECKPOINT.RESUME_FROM=/dev/null",),
+      ("config.CHECKPOINT.RESUME_FROM: '/dev/null' is a character device; name a checkpoint file",), tool=False),
+    R("resume-from-a-link-loop", ("config.CHECKPOINT.RESUME_FROM={fx}/loop.torch",),
+      ("config.CHECKPOINT.RESUME_FROM: '{fx}/loop.torch' is a symbolic link that leads to no file",), tool=False),
     R("resume-from-a-folder", ("config.CHECKPOINT.RESUME_FROM={fx}",),
       ("config.CHECKPOINT.RESUME_FROM", "{fx} is a folder; name a checkpoint file"), tool=False),
     # -- URLs where a local path belongs: the key and the URL as given, no download ------------------
@@ -433,6 +444,7 @@ def make_fixture_files(fx: Path) -> None:
         f"# @package _global_\nconfig:\n  LOG_FREQUENCY: !!python/object/apply:os.system ['touch {fx}/PWNED']\n"
     )
     (fx / "a_list.yaml").write_text("- config\n- LOG_FREQUENCY\n")
+    (fx / "experiment").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n")
     (fx / "pirl_like.yaml").write_text(
         "# @package _global_\nconfig:\n  MODEL:\n    MULTI_INPUT_HEAD_MAPPING: [[patches, [flatten]], [images, [flatten]]]\n"
         "  LOSS:\n    name: nce_loss_with_memory\n    nce_loss_with_memory:\n      ignore_index: -1\n"
@@ -457,6 +469,10 @@ def make_fixture_files(fx: Path) -> None:
     np.save(fx / "labels5.npy", np.arange(5))
     (fx / "empty.npy").write_bytes(b"")
     (fx / "latin1.txt").write_bytes(b"/nowhere/caf\xe9.png\n")
+    torch.save({"phase_idx": 0, "classy_state_dict": {}}, fx / "whole.torch")
+    (fx / "truncated.torch").write_bytes((fx / "whole.torch").read_bytes()[:200])
+    if not (fx / "loop.torch").is_symlink():
+        (fx / "loop.torch").symlink_to(fx / "loop.torch")
     np.save(fx / "labels_unlabelled.npy", np.full(6, -1))  # VISSL's label of an unlabelled image, on every one
     np.save(fx / "labels_unlabelled_first.npy", np.array([-1, -1, -1, 0, 1, 0]))  # a TEST batch of 3 with none labelled
     np.save(fx / "labels_half.npy", np.array([0.0, 0.5, 1.0, 1.0, 0.0, 1.0]))

@@ -525,6 +525,8 @@ def test_a_checkpoint_of_another_model_is_one_line(interrupted_run, tmp_path):
     assert proc.returncode == 2
     line = one_error_line(proc)
     assert "model_phase0.torch" in line and "do not fit this model" in line and "CHECKPOINT.DIR" in line, line
+    # the tensors that differ, file against model (was torch's text cut off mid-phrase after 300 characters)
+    assert "tensor(s) of another shape: trunk." in line and "in the file, [8, 3072] in this model" in line, line
 
 
 @pytest.mark.parametrize("part, value", [("rng", {"not": "a list"}), ("loss", [1, 2])])
@@ -694,7 +696,8 @@ def test_a_folder_where_the_run_writes_a_file_is_one_line(tmp_path, name):
         assert one_error_line(proc) == (f"error: {run / name} is a folder, not a lock file: the lock is a plain file "
                                         f"this tool creates and removes; remove it")
     else:
-        assert one_error_line(proc) == f"error: cannot use {run / name}: Is a directory"
+        assert one_error_line(proc) == (f"error: cannot use {run / name}: Is a directory; it is a folder where the "
+                                        f"run writes a file: move it away")
 
 
 def test_a_folder_turned_read_only_keeps_the_runs_own_error_not_the_locks(tmp_path, monkeypatch, caplog):

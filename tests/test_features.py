@@ -1063,3 +1063,17 @@ def test_an_extraction_that_fails_while_running_marks_its_split_failed(tmp_path:
     with pytest.raises(FeatureShardError, match="failed .*2 inputs per sample"):
         load_features(out, "train", "heads")
 
+
+
+def test_knn_on_a_folder_names_the_layer_and_folder_of_features_that_do_not_match(tmp_path: Path) -> None:
+    """Shards without status files (VISSL's) whose train and test features have other dims: the
+    one line names the layer and the folder (a folder may hold several layers), not just the dims."""
+    from ssl_engine.errors import UserError
+    from ssl_engine.knn import knn_on_folder
+
+    for split, dim in (("train", 32), ("test", 16)):
+        np.save(shard_path(tmp_path, 0, 0, split, "fc1", "features"), np.ones((4, dim), dtype=np.float32))
+        np.save(shard_path(tmp_path, 0, 0, split, "fc1", "targets"), np.array([0, 1, 0, 1]))
+        np.save(shard_path(tmp_path, 0, 0, split, "fc1", "inds"), np.arange(4))
+    with pytest.raises(UserError, match=f"^kNN fc1 in {tmp_path}: train features have dim 32 but test features have dim 16$"):
+        knn_on_folder(tmp_path, "fc1", topk=1)

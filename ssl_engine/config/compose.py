@@ -181,6 +181,14 @@ def _check_override_grammar(item: str) -> None:
                 f"override {item!r} cannot be parsed: hydra does not take a value that starts with ~ unquoted; "
                 f"quote it for hydra inside the shell word ('{key}=\"{value}\"') or write $HOME instead of ~"
             ) from None
+        odd = next((c for c in value if not c.isascii()), None)
+        if odd is not None and not value.lstrip().startswith(("[", "{", '"', "'")):
+            # hydra's grammar takes a bare value of ASCII characters only: a path with an accented
+            # letter must be quoted for hydra inside the shell word
+            raise ConfigError(
+                f"override {item!r} cannot be parsed: hydra takes a value holding {odd!r} only quoted; quote it for "
+                f"hydra inside the shell word: '{key}=\"{value}\"'"
+            ) from None
         raise ConfigError(
             f"override {item!r} cannot be parsed ({why}); quote lists and mappings as one shell word, "
             f"e.g. 'config.MODEL.HEAD.PARAMS=[[mlp,{{dims:[512,10]}}]]'"
@@ -425,6 +433,9 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
             _check_yaml_file(f, experiment=True)
             return name, [], f
     _refuse_folder(value, name)
+    if as_path.is_file():  # the user's file, without the ending a config file is known by
+        raise ConfigError(f"config={value} is a file without a .yaml ending: a config file outside the config folders "
+                          f"is read by its path ending in .yaml (or .yml); rename it to {as_path.name}.yaml")
     near = closest(name, known_experiments(), n=3)
     hint = f"; nearest: {', '.join(near)}" if near else ""
     dirs = ", ".join(str(d / "config") for d in config_search_dirs()) or "(no configs/config folder found)"

@@ -906,7 +906,10 @@ def check_resume_file(cfg: AttrDict) -> None:
     if not cfg.CHECKPOINT.RESUME_FROM:
         return
     path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
-    data = peek_checkpoint(path)
+    try:
+        data = peek_checkpoint(path)
+    except CheckpointError as e:  # say which setting names the file
+        raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {e}") from None
     check_intact(path, "config.CHECKPOINT.RESUME_FROM")  # before any folder or log file is made
     if cfg.engine_name != "train":
         return
@@ -1223,7 +1226,7 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
                 check_cpus=False,  # the ranks may run on other machines (SLURM); they check their own CPUs
             )
     if data_errors:
-        raise UserError("; and ".join(data_errors))
+        raise UserError("; and ".join(dict.fromkeys(data_errors)))  # one problem found twice is told once
     if loaders and not cfg.SLURM.USE_SLURM:  # the ranks start on this machine (each node runs the tool itself)
         from ssl_engine.data.loader import check_num_workers
 

@@ -217,7 +217,8 @@ class SSLDataset(Dataset):
                 if exc.path not in self._warned:
                     self._warned.add(exc.path)
                     logger.warning(
-                        "skipping unreadable %s image %r (%s); sample %d is replaced by the next readable one "
+                        "skipping unreadable %s image %r (%s); the next readable image fills sample %d's place "
+                        "in the batch, marked so that meters, the logged loss and feature extraction leave it out "
                         "(%s=skip)",
                         self.split,
                         exc.path,

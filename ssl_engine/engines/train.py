@@ -36,7 +36,10 @@ def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
     """The checkpoint this run continues from, loaded: RESUME_FROM, else the folder's newest good one."""
     if cfg.CHECKPOINT.RESUME_FROM:
         path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
-        data = load_checkpoint(path)
+        try:
+            data = load_checkpoint(path)
+        except CheckpointError as e:  # say which setting names the file
+            raise CheckpointError(f"config.CHECKPOINT.RESUME_FROM: {e}") from None
         check_intact(path, "config.CHECKPOINT.RESUME_FROM")
         if not is_engine_checkpoint(data):
             raise CheckpointError(

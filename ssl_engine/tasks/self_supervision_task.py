@@ -9,6 +9,7 @@ counters; hooks read them.
 import contextlib
 import inspect
 import logging
+import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -65,6 +66,21 @@ def cpu_has_native(dtype_name: str) -> bool:
         return bool(getattr(torch.ops.mkldnn, probe)()) if probe else True
     except (AttributeError, RuntimeError):
         return True
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\(\[([^\]]*)\]\) "
+                            r"from checkpoint, the shape in current model is torch\.Size\(\[([^\]]*)\]\)")
+
+
+def _load_state_dict_problem(error: BaseException, prefix: str = "") -> str:
+    """torch's load_state_dict error in a few words: the tensors of another shape (file vs model),
+    or the missing / unexpected names; torch's own text (cut) when it says something else."""
+    text = " ".join(str(error).split())
+    sizes = _SIZE_MISMATCH.findall(text)
+    if sizes:
+        shown = ", ".join(f"{prefix}{name} is [{a}] in the file, [{b}] in this model" for name, a, b in sizes[:2])
+        return f"{len(sizes)} tensor(s) of another shape: {shown}" + (f" and {len(sizes) - 2} more" if len(sizes) > 2 else "")
+    return text[:300]
 
 
 @TASKS.register("self_supervision_task")
@@ -457,12 +473,15 @@ class SelfSupervisionTask(ClassyTask):
                 parts.append((m.heads, weights["heads"]))
         except (KeyError, TypeError):
             raise CheckpointError("it holds no model weights (classy_state_dict.base_model.model.trunk / heads)") from None
+        if fix is None and self.config.CHECKPOINT.get("RESUME_FROM"):
+            fix = ("the model config differs from the run that wrote it: resume with that run's model config, or start "
+                   "a new run from these weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
         for module, part in parts:
             try:
                 module.load_state_dict(part)
             except (RuntimeError, TypeError, AttributeError) as e:
-                why = " ".join(str(e).split())[:300]
-                raise CheckpointError(f"its weights do not fit this model ({why}); " + (fix or (
+                prefix = "heads." if module is getattr(m, "heads", None) else "trunk." if module is getattr(m, "trunk", None) else ""
+                raise CheckpointError(f"its weights do not fit this model ({_load_state_dict_problem(e, prefix)}); " + (fix or (
                     "the model config differs from the run that wrote it: use a new config.CHECKPOINT.DIR, or set "
                     "config.CHECKPOINT.AUTO_RESUME=false to start this folder over (its files are moved into a "
                     "previous_run.N subfolder)"))) from None

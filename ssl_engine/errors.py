@@ -143,8 +143,8 @@ def file_system_error(error: BaseException) -> Optional[UserError]:
         fix = {errno.EISDIR: "; it is a folder where the run writes a file: move it away",
                errno.ENOTDIR: "; a part of that path is a file where a folder belongs: move it away",
                errno.ENOSPC: "; free some space", errno.EROFS: "; use a writable folder",
-               errno.EACCES: "; give the run write access, or use another folder",
-               errno.EPERM: "; give the run write access, or use another folder"}.get(error.errno, "")
+               errno.EACCES: "; give the run access to it, or use another folder",
+               errno.EPERM: "; give the run access to it, or use another folder"}.get(error.errno, "")
         return UserError(f"cannot use {error.filename}: {error.strerror or type(error).__name__}{fix}")
     return None
 

@@ -89,7 +89,7 @@ TRUNKS = Registry("trunk", "config.MODEL.TRUNK.NAME", "TRUNKS", vissl_names=(
     "efficientnet", "regnet_fsdp", "vision_transformer", "xcit"))
 HEADS = Registry("head", "config.MODEL.HEAD.PARAMS", "HEADS", vissl_names=("dino_head", "identity", "siamese_concat_view"))
 LOSSES = Registry("loss", "config.LOSS.name", "LOSSES", vissl_names=(
-    "bce_logits_multiple_output_single_target", "deepclusterv2_loss", "dino_loss", "nce_loss_with_memory",
+    "bce_logits_multiple_output_single_target", "byol_loss", "deepclusterv2_loss", "dino_loss", "nce_loss_with_memory",
     "swav_momentum_loss"))
 METERS = Registry("meter", "config.METERS.names", "METERS", vissl_names=("mean_ap_list_meter",))
 OPTIMIZERS = Registry("optimizer", "config.OPTIMIZER.name")

@@ -75,9 +75,9 @@ def state_problem(data: Dict[str, Any]) -> Optional[str]:
             shown = "missing" if value is None else f"{value!r}"
             return f"its {where}{key} is {shown}, where a training checkpoint has true or false"
     bad = non_finite_tensors(state["base_model"])
-    if bad:  # a run stops on a NaN loss before it checkpoints: such weights come from a changed or foreign file
-        return (f"its model weights hold NaN or infinite values ({first_few(bad)}): it was changed since it was "
-                f"written, or another program wrote it")
+    if bad:  # a run stops on a NaN loss before it checkpoints (unless HOOKS.CHECK_NAN is off)
+        return (f"its model weights hold NaN or infinite values ({first_few(bad)}): the run that wrote it had diverged "
+                f"(with HOOKS.CHECK_NAN off), or the file was changed since")
     batches = (values.get("phase_data") or {}).get("batches") if isinstance(values.get("phase_data"), dict) else None
     if flags and not flags["phase_complete"] and is_int(batches) and int(values["local_iteration_num"]) > int(batches):
         # a phase stopped part-way cannot be further into its data than the phase is long

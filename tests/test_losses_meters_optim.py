@@ -759,3 +759,43 @@ def test_losses_that_compare_the_images_of_a_step_refuse_a_step_of_one_before_la
     assert check_loss_batch(AttrDict({"LOSS": {"name": "cross_entropy_multiple_output_single_target"},
                                       "DATA": cfg.DATA}), build_loss(AttrDict({"name": "cross_entropy_multiple_output_single_target"})),
                             None, 1) is None
+
+
+def test_the_test_batch_label_check_refuses_only_a_batch_whose_loss_would_be_nan():
+    """Before launch, a TEST batch (read in order) of only ignored labels is refused: with 'mean'
+    its loss is NaN and stops the run. Scattered -1 labels, the batches of 2 ranks (strided: each
+    batch holds a labelled sample), a 'sum' reduction (0 for such a batch) or HOOKS.CHECK_NAN off
+    (no stop) are not refused. The message lists the batch's samples."""
+    import numpy as np
+
+    from ssl_engine.config.compose import compose
+    from ssl_engine.config.validate import ConfigError
+    from ssl_engine.data.sampler import StatefulDistributedSampler
+    from ssl_engine.models.label_range import check_ordered_batches_labelled
+
+    class Labelled:
+        label_type, transforms = "standard", None
+
+        def __init__(self, labels):
+            self.label_arrays = [np.array(labels)]
+
+        def get_labels(self, source=0):
+            return self.label_arrays[source]
+
+    cfg = compose(["config=quick/supervised_digits"], warn_unused=False)
+    mean, total = (LOSSES.get("cross_entropy_multiple_output_single_target")(reduction=r) for r in ("mean", "sum"))
+
+    def check(labels, world=1, loss=mean, config=cfg):
+        sampler = StatefulDistributedSampler(len(labels), world, 0, shuffle=False, batch_size=2)
+        check_ordered_batches_labelled(config, "TEST", Labelled(labels), sampler, loss)
+
+    check([0, -1, 1, -1, 2, -1])  # scattered: every batch of 2 holds a labelled sample
+    check([-1, -1, 0, 1, 2, 3], world=2)  # rank 0 reads 0, 2 | 4; rank 1 reads 1, 3 | 5
+    with pytest.raises(ConfigError, match=r"config.DATA.TEST: batch 2 \(samples 2, 3 of the TEST data, read in order\) "
+                                          r"holds only the label -1 .*would average over no sample \(NaN\)"):
+        check([0, 1, -1, -1, 2, 3])
+    with pytest.raises(ConfigError, match=r"rank 1's batch 1 \(samples 1, 3 of the TEST data"):
+        check([0, -1, 2, -1, 4, 5], world=2)
+    check([0, 1, -1, -1, 2, 3], loss=total)
+    check([0, 1, -1, -1, 2, 3], config=compose(["config=quick/supervised_digits", "config.HOOKS.CHECK_NAN=false"],
+                                               warn_unused=False))

@@ -926,8 +926,8 @@ def test_a_checkpoint_with_nan_weights_is_a_changed_file():
                                   "iteration": 3, "local_iteration_num": 3, "train": True, "phase_complete": True}}
     assert state_problem(data) is None
     weights["heads"]["b"][1] = float("inf")
-    assert state_problem(data) == ("its model weights hold NaN or infinite values ('model.heads.b'): it was changed "
-                                   "since it was written, or another program wrote it")
+    assert state_problem(data) == ("its model weights hold NaN or infinite values ('model.heads.b'): the run that "
+                                   "wrote it had diverged (with HOOKS.CHECK_NAN off), or the file was changed since")
     weights["heads"]["b"] = torch.empty(2, device="meta")
     assert state_problem(data) is None
 

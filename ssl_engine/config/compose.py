@@ -182,12 +182,17 @@ def _check_override_grammar(item: str) -> None:
                 f"quote it for hydra inside the shell word ('{key}=\"{value}\"') or write $HOME instead of ~"
             ) from None
         odd = next((c for c in value if not c.isascii()), None)
-        if odd is not None and not value.lstrip().startswith(("[", "{", '"', "'")):
-            # hydra's grammar takes a bare value of ASCII characters only: a path with an accented
-            # letter must be quoted for hydra inside the shell word
+        if odd is not None and not value.lstrip().startswith(("{", '"', "'")):
+            # hydra's grammar takes a bare value (or list element) of ASCII characters only: a path
+            # with an accented letter must be quoted for hydra inside the shell word
+            if value.lstrip().startswith("["):
+                example = "[" + ",".join(f'"{v.strip()}"' if not v.strip().startswith(('"', "'")) else v.strip()
+                                         for v in value.strip()[1:-1].split(",")) + "]"
+                how = f"quote each element for hydra inside the shell word: '{key}={example}'"
+            else:
+                how = f"quote it for hydra inside the shell word: '{key}=\"{value}\"'"
             raise ConfigError(
-                f"override {item!r} cannot be parsed: hydra takes a value holding {odd!r} only quoted; quote it for "
-                f"hydra inside the shell word: '{key}=\"{value}\"'"
+                f"override {item!r} cannot be parsed: hydra takes a value holding {odd!r} only quoted; {how}"
             ) from None
         raise ConfigError(
             f"override {item!r} cannot be parsed ({why}); quote lists and mappings as one shell word, "

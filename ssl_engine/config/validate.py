@@ -1093,9 +1093,12 @@ def check_label_per_row(cfg: AttrDict, loss: Any, batches: Dict[str, Any]) -> No
         name = f"config.LOSS.name={cfg.LOSS.name}"
         label_sources = list(cfg.DATA[split].LABEL_SOURCES)
         if len(labels) > 1 and len(label_sources) > 1:
+            sources = list(cfg.DATA[split].DATA_SOURCES)
+            also = (f"; and config.DATA.{split}.DATA_SOURCES={show_value(sources)} gives the model {len(sources)} "
+                    f"inputs per sample, one label each: use one data source too") if len(sources) > 1 else ""
             raise UserError(
                 f"config.DATA.{split}.LABEL_SOURCES={show_value(label_sources)} gives {len(labels)} labels per "
-                f"sample; {name} takes one: name one label source"
+                f"sample; {name} takes one: name one label source{also}"
             )
         label = labels[0]
         if not isinstance(label, torch.Tensor) or label.ndim < 1 or not all(isinstance(t, torch.Tensor) and t.ndim

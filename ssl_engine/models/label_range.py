@@ -86,13 +86,18 @@ def _class_index_labels(dataset: Any) -> List[np.ndarray]:
     return [a for a in arrays if a.ndim == 1 and a.dtype.kind in "iu"]
 
 
+def _labels_set_by_transform(dataset: Any) -> bool:
+    """Whether a transform of ``dataset`` (ImgRotatePil) sets the labels of some entries."""
+    transforms = getattr(dataset, "transforms", None)
+    return hasattr(transforms, "label_setters") and transforms.label_setters()[0] is not None
+
+
 def every_label_ignored(dataset: Any, ignore_index: Optional[int]) -> bool:
     """True when ``dataset`` has integer labels and every one of them (of some label source) is
     ``ignore_index``: a loss that leaves those out averages over no sample and gives NaN."""
     if ignore_index is None or getattr(dataset, "label_type", "standard") != "standard":
         return False
-    transforms = getattr(dataset, "transforms", None)
-    if hasattr(transforms, "label_setters") and transforms.label_setters()[0] is not None:
+    if _labels_set_by_transform(dataset):
         return False  # a transform (ImgRotatePil) gives entries their labels
     return any(a.size and bool((a == ignore_index).all()) for a in _class_index_labels(dataset))
 
@@ -109,8 +114,7 @@ def check_ordered_batches_labelled(cfg: Any, split: str, dataset: Any, sampler: 
         return
     if getattr(loss, "reduction", "mean") != "mean" or not cfg.HOOKS.CHECK_NAN:
         return  # a sum over no sample is 0, and without the check a NaN test loss does not stop the run
-    transforms = getattr(dataset, "transforms", None)
-    if hasattr(transforms, "label_setters") and transforms.label_setters()[0] is not None:
+    if _labels_set_by_transform(dataset):
         return  # a transform (ImgRotatePil) gives entries their labels
     arrays = _class_index_labels(dataset)
     if not arrays or not any(bool((a == ignored).any()) for a in arrays):

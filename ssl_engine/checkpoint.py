@@ -33,7 +33,7 @@ import torch
 from ssl_engine.errors import (
     CheckpointError, UserError, closest, does_not_exist, first_few, folder_gone, is_url, url_error,
 )
-from ssl_engine.resume_state import state_problem
+from ssl_engine.resume_state import non_finite_tensors, state_problem
 
 log = logging.getLogger(__name__)
 
@@ -1027,8 +1027,7 @@ def heads_not_set(report: Dict[str, List[str]], model_cfg: Any) -> Optional[str]
 def _refuse_non_finite(state: Dict[str, torch.Tensor], path: Path) -> None:
     """Weights with NaN or infinite values (a file of a run that diverged) would train on NaN
     losses or extract NaN features with a 'complete' status: a UserError naming the file."""
-    bad = [(k, int((~torch.isfinite(v)).sum())) for k, v in state.items()
-           if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = [(k, int((~torch.isfinite(state[k])).sum())) for k in non_finite_tensors(state)]
     if bad:
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {sum(n for _, n in bad)} of its weights are NaN or "

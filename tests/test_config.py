@@ -382,6 +382,30 @@ def test_overrides_that_are_not_key_value(override, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
         compose([QUICK, override])
 
+@pytest.mark.parametrize(
+    "value",
+    ["/data/ünï", 'a"ü', "it's ü", "C:\\ü\\", 'x\\"ü', "[/data/ünï,b\"ü]"],
+)
+def test_the_quoting_advice_for_a_non_ascii_value_is_a_shell_word_hydra_reads_back_as_the_value(value):
+    """The advice for a value hydra takes only quoted must itself work: pasted into a shell it is
+    one word, and hydra reads that word back as the value the user meant, whatever quotes or
+    backslashes the value holds."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with pytest.raises(ConfigError, match="only quoted") as e:
+        compose([QUICK, f"config.CHECKPOINT.DIR={value}"])
+    advice = str(e.value).split("inside the shell word: ", 1)[1]
+    words = shlex.split(advice)
+    assert len(words) == 1, advice
+    parsed = OverridesParser.create().parse_override(words[0]).value()
+    if value.startswith("["):
+        assert parsed == [v for v in value[1:-1].split(",")]
+    else:
+        assert parsed == value
+
+
 
 def test_worker_wrapped_errors_unwrap_to_the_original_line():
     wrapped = (

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -162,6 +163,13 @@ def _overrides_parser() -> Any:
     return OverridesParser.create()
 
 
+def hydra_quoted(text: str) -> str:
+    """``text`` as a double-quoted string of hydra's override grammar, which reads it back as
+    ``text``: a quote, and the backslashes before one, are escaped with a backslash."""
+    escaped = re.sub(r'(\\*)"', lambda m: m.group(1) * 2 + '\\"', text)
+    return '"' + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped) + '"'
+
+
 def _check_override_grammar(item: str) -> None:
     """Parse one override with hydra's grammar, so that a bad one is named in the error."""
     try:
@@ -185,12 +193,12 @@ def _check_override_grammar(item: str) -> None:
         if odd is not None and not value.lstrip().startswith(("{", '"', "'")):
             # hydra's grammar takes a bare value (or list element) of ASCII characters only: a path
             # with an accented letter must be quoted for hydra inside the shell word
-            if value.lstrip().startswith("["):
-                example = "[" + ",".join(f'"{v.strip()}"' if not v.strip().startswith(('"', "'")) else v.strip()
+            if value.lstrip().startswith("[") and value.rstrip().endswith("]"):
+                example = "[" + ",".join(v.strip() if v.strip().startswith(('"', "'")) else hydra_quoted(v.strip())
                                          for v in value.strip()[1:-1].split(",")) + "]"
-                how = f"quote each element for hydra inside the shell word: '{key}={example}'"
+                how = f"quote each element for hydra inside the shell word: {shlex.quote(f'{key}={example}')}"
             else:
-                how = f"quote it for hydra inside the shell word: '{key}=\"{value}\"'"
+                how = f"quote it for hydra inside the shell word: {shlex.quote(f'{key}={hydra_quoted(value)}')}"
             raise ConfigError(
                 f"override {item!r} cannot be parsed: hydra takes a value holding {odd!r} only quoted; {how}"
             ) from None

@@ -94,7 +94,8 @@ def _labels_set_by_transform(dataset: Any) -> bool:
 
 def every_label_ignored(dataset: Any, ignore_index: Optional[int]) -> bool:
     """True when ``dataset`` has integer labels and every one of them (of some label source) is
-    ``ignore_index``: a loss that leaves those out averages over no sample and gives NaN."""
+    ``ignore_index``: a loss that leaves those out averages over no sample and gives NaN (or sums
+    over none and gives 0, so that nothing trains)."""
     if ignore_index is None or getattr(dataset, "label_type", "standard") != "standard":
         return False
     if _labels_set_by_transform(dataset):
@@ -160,10 +161,12 @@ def check_dataset_labels(cfg: Any, datasets: Dict[str, Any], model: Any, loss: A
     for split, dataset in datasets.items():
         ignored = getattr(loss, "ignore_index", None) if getattr(loss, "class_index_targets", False) else None
         if every_label_ignored(dataset, ignored):
+            averaged = getattr(loss, "reduction", "mean") == "mean"
             raise ConfigError(
                 f"config.DATA.{split}: every label ({_label_origin(cfg, split)}) is {ignored}, the label "
-                f"config.LOSS.name={cfg.LOSS.name} ignores (its ignore_index): its loss would average over no "
-                f"sample (NaN); give the samples their class labels, or use a loss that needs none"
+                f"config.LOSS.name={cfg.LOSS.name} ignores (its ignore_index): its loss would "
+                f"{'average over no sample (NaN)' if averaged else 'sum over no sample (0): nothing would train'}; "
+                f"give the samples their class labels, or use a loss that needs none"
             )
     output_heads = getattr(model, "output_heads", None)
     heads = [(where, size) for where, size in (output_heads() if callable(output_heads) else []) if size is not None]

@@ -852,3 +852,13 @@ def test_a_lock_with_a_pid_no_process_can_have_is_garbled_not_a_live_owner(tmp_p
     lock.acquire()
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
+
+
+def test_a_checkpoint_whose_trunk_lacks_layers_of_this_model_names_them(interrupted_run, tmp_path):
+    """A trunk config that adds a layer keeps the shapes of the old ones: the line names the
+    tensors this model has and the file lacks, not torch's multi-line text."""
+    run = _copy_run(interrupted_run, tmp_path / "run")
+    proc = _resume(run, "config.MODEL.TRUNK.MLP.DIMS=[3072,16,16]")
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert "do not fit this model (2 tensor(s) of this model are not in the file ('trunk." in line, line

@@ -9,16 +9,15 @@ counters; hooks read them.
 import contextlib
 import inspect
 import logging
-import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from classy_vision.tasks.classy_task import ClassyTask
 
 from ssl_engine import distributed as du
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import CheckpointError, UserError
+from ssl_engine.errors import CheckpointError, UserError, first_few
 from ssl_engine.hooks.base import EVENTS, order_hooks
 from ssl_engine.registry import TASKS, TRAIN_STEPS
 from ssl_engine.resume_state import WRITTEN_BY_VISSL
@@ -68,19 +67,30 @@ def cpu_has_native(dtype_name: str) -> bool:
         return True
 
 
-_SIZE_MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\(\[([^\]]*)\]\) "
-                            r"from checkpoint, the shape in current model is torch\.Size\(\[([^\]]*)\]\)")
+def _load_state_dict_problem(module: torch.nn.Module, part: Any, error: BaseException, prefix: str = "") -> str:
+    """Why ``module`` cannot load ``part``, in a few words: the tensors of another shape (file vs
+    model), else the names one has and the other lacks; torch's own text (cut) when neither
+    says it (e.g. ``part`` is not a mapping of tensors)."""
+    def _shape(value: Any) -> Optional[List[int]]:
+        return list(value.shape) if isinstance(value, torch.Tensor) else None
 
-
-def _load_state_dict_problem(error: BaseException, prefix: str = "") -> str:
-    """torch's load_state_dict error in a few words: the tensors of another shape (file vs model),
-    or the missing / unexpected names; torch's own text (cut) when it says something else."""
-    text = " ".join(str(error).split())
-    sizes = _SIZE_MISMATCH.findall(text)
-    if sizes:
-        shown = ", ".join(f"{prefix}{name} is [{a}] in the file, [{b}] in this model" for name, a, b in sizes[:2])
-        return f"{len(sizes)} tensor(s) of another shape: {shown}" + (f" and {len(sizes) - 2} more" if len(sizes) > 2 else "")
-    return text[:300]
+    if isinstance(part, Mapping):
+        mine = module.state_dict()
+        sizes = [(k, _shape(v), list(mine[k].shape)) for k, v in part.items()
+                 if k in mine and _shape(v) is not None and _shape(v) != list(mine[k].shape)]
+        if sizes:
+            shown = ", ".join(f"{prefix}{k} is {a} in the file, {b} in this model" for k, a, b in sizes[:2])
+            return f"{len(sizes)} tensor(s) of another shape: {shown}" + (f" and {len(sizes) - 2} more" if len(sizes) > 2 else "")
+        missing = [k for k in mine if k not in part]
+        unexpected = [k for k in part if k not in mine]
+        if missing or unexpected:
+            said = []
+            if missing:
+                said.append(f"{len(missing)} tensor(s) of this model are not in the file ({first_few([prefix + k for k in missing])})")
+            if unexpected:
+                said.append(f"{len(unexpected)} in the file are not in this model ({first_few([prefix + str(k) for k in unexpected])})")
+            return "; ".join(said)
+    return " ".join(str(error).split())[:300]
 
 
 @TASKS.register("self_supervision_task")
@@ -481,7 +491,7 @@ class SelfSupervisionTask(ClassyTask):
                 module.load_state_dict(part)
             except (RuntimeError, TypeError, AttributeError) as e:
                 prefix = "heads." if module is getattr(m, "heads", None) else "trunk." if module is getattr(m, "trunk", None) else ""
-                raise CheckpointError(f"its weights do not fit this model ({_load_state_dict_problem(e, prefix)}); " + (fix or (
+                raise CheckpointError(f"its weights do not fit this model ({_load_state_dict_problem(module, part, e, prefix)}); " + (fix or (
                     "the model config differs from the run that wrote it: use a new config.CHECKPOINT.DIR, or set "
                     "config.CHECKPOINT.AUTO_RESUME=false to start this folder over (its files are moved into a "
                     "previous_run.N subfolder)"))) from None

@@ -565,9 +565,30 @@ def _run_row_in_process(row: Row, places: Dict[str, Path], capsys) -> dict:
     return {"proc": proc, "folder": folder, "before": before, "after": folder_hashes(folder)}
 
 
+class _RowsRunOnDemand(dict):
+    """Tool rows' results, each row run when its test first asks for it."""
+
+    def __init__(self, places: Dict[str, Path]) -> None:
+        super().__init__()
+        self.places = places
+
+    def __missing__(self, row_id: str) -> dict:
+        row = next(r for r in ROWS if r.id == row_id)
+        self[row_id] = got = _run_row(row, self.places)
+        return got
+
+
 @pytest.fixture(scope="module")
 def results(folders, request) -> Dict[str, dict]:
-    """Run the tool rows selected in this session, two at a time."""
+    """The tool rows' results, by row id.
+
+    Under pytest-xdist each row runs in its own test, so the workers share the rows out (a
+    fixture that ran them all would run on every worker that gets a row: xdist_group does not
+    keep tests together with pytest 9). In one process the rows selected run two at a time
+    up front.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return _RowsRunOnDemand(folders)
     wanted = {item.callspec.params["row"].id for item in request.session.items
               if getattr(item, "callspec", None) and isinstance(item.callspec.params.get("row"), Row)}
     rows = [r for r in ROWS if r.tool and (r.id in wanted or not wanted)]
@@ -581,7 +602,6 @@ def test_the_table_is_big_enough():
     assert sum(r.tool for r in ROWS) >= 30  # rows that run the real tool in a subprocess
 
 
-@pytest.mark.xdist_group("bad_input_rows")  # one pytest-xdist worker runs the rows' fixture, not each
 @pytest.mark.parametrize("row", ROWS, ids=[r.id + ("" if r.tool else "-main") for r in ROWS])
 def test_bad_input_row(row: Row, results, folders, capsys):
     got = results[row.id] if row.tool else _run_row_in_process(row, folders, capsys)

@@ -56,7 +56,7 @@ def run_plain(data: Dict[str, Any], mp_context: str) -> Dict[str, Any]:
     return out
 
 
-def run(repeats: int = 2, **_: Any) -> List[Row]:
+def run(repeats: int = 7, **_: Any) -> List[Row]:
     n_train, n_test = CASE["batch"] * CASE["train_iters"], CASE["batch"] * CASE["test_iters"]
     data = {"train": random_data(n_train, CASE["shape"], CASE["classes"], 0),
             "test": random_data(n_test, CASE["shape"], CASE["classes"], 1)}

@@ -8,7 +8,7 @@ Users add their own parts with a decorator and name them in yaml::
     class MyTrunk(nn.Module): ...
 """
 
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 from ssl_engine.errors import UserError, did_you_mean
 
@@ -31,13 +31,17 @@ class Registry:
     ``vissl_names``: names VISSL 0.1.6 registers for this kind that the engine does not
     implement. A VISSL config naming one is told so (and how to register one's own under that
     name), not offered the nearest implemented name, which would train something else.
+    ``fsdp_variants``: VISSL's FSDP (fully sharded) variants of its parts, each mapped to the part
+    it shards: the engine trains with DDP, so a config naming one is told to name the other.
     """
 
-    def __init__(self, kind: str, config_key: str = "", symbol: str = "", vissl_names: Iterable[str] = ()) -> None:
+    def __init__(self, kind: str, config_key: str = "", symbol: str = "", vissl_names: Iterable[str] = (),
+                 fsdp_variants: Optional[Mapping[str, str]] = None) -> None:
         self.kind = kind
         self.config_key = config_key
         self.symbol = symbol
         self.vissl_names = frozenset(vissl_names)
+        self.fsdp_variants = dict(fsdp_variants or {})
         self._objects: Dict[str, Any] = {}
 
     def register(self, name: Optional[str] = None) -> Callable[[Any], Any]:
@@ -58,6 +62,15 @@ class Registry:
         if name not in self._objects:
             key = key or self.config_key
             where = f" (config key {key})" if key else ""
+            base = self.fsdp_variants.get(name)
+            if base is not None:
+                fix = (f": name {base!r} instead, which takes the same settings" if base in self._objects else
+                       f", and {base!r} is one of VISSL's that ssl_engine does not implement; implemented: "
+                       f"{', '.join(sorted(self._objects)) or '(none)'}")
+                raise UserError(
+                    f"{self.kind} {name!r}{where} is VISSL's FSDP (fully sharded data parallel) variant of {base!r}; "
+                    f"ssl_engine shards no model (it trains with DistributedDataParallel){fix}"
+                )
             if name in self.vissl_names:
                 raise UserError(
                     f"{self.kind} {name!r}{where} is one of VISSL's that ssl_engine does not implement; "
@@ -80,14 +93,17 @@ class Registry:
         return f"Registry({self.kind!r}, {self.names()})"
 
 
-TASKS = Registry("task", "config.TRAINER.TASK_NAME")
+TASKS = Registry("task", "config.TRAINER.TASK_NAME",
+                 fsdp_variants={"self_supervision_fsdp_task": "self_supervision_task"})
 TRAIN_STEPS = Registry("train step", "config.TRAINER.TRAIN_STEP_NAME")
 ENGINES = Registry("engine", "engine_name")
 HOOKS = Registry("hook", "config.HOOKS.CUSTOM[].name")
 TRUNKS = Registry("trunk", "config.MODEL.TRUNK.NAME", "TRUNKS", vissl_names=(
     "alexnet_bvlc", "alexnet_colorization", "alexnet_deepcluster", "alexnet_jigsaw", "alexnet_rotnet", "convit",
-    "efficientnet", "regnet_fsdp", "vision_transformer", "xcit"))
-HEADS = Registry("head", "config.MODEL.HEAD.PARAMS", "HEADS", vissl_names=("dino_head", "identity", "siamese_concat_view"))
+    "efficientnet", "vision_transformer", "xcit"), fsdp_variants={"regnet_fsdp": "regnet"})
+HEADS = Registry("head", "config.MODEL.HEAD.PARAMS", "HEADS", vissl_names=("dino_head", "identity", "siamese_concat_view"),
+                 fsdp_variants={"mlp_fsdp": "mlp", "eval_mlp_fsdp": "eval_mlp", "swav_head_fsdp": "swav_head",
+                                "dino_head_fsdp": "dino_head"})
 LOSSES = Registry("loss", "config.LOSS.name", "LOSSES", vissl_names=(
     "bce_logits_multiple_output_single_target", "byol_loss", "deepclusterv2_loss", "dino_loss", "nce_loss_with_memory",
     "swav_momentum_loss"))

@@ -467,6 +467,43 @@ def test_registry_names_a_vissl_part_it_lacks_as_such_and_lets_a_user_register_i
     assert reg.get("deepclusterv2_loss") is Mine
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("config.MODEL.HEAD.PARAMS=[[eval_mlp_fsdp,{in_channels:16,dims:[16,10]}]]",
+     "head 'eval_mlp_fsdp' (config key config.MODEL.HEAD.PARAMS[0][0]) is VISSL's FSDP (fully sharded data parallel) "
+     "variant of 'eval_mlp'; ssl_engine shards no model (it trains with DistributedDataParallel): name 'eval_mlp' "
+     "instead, which takes the same settings"),
+    ("config.TRAINER.TASK_NAME=self_supervision_fsdp_task", "name 'self_supervision_task' instead"),
+    ("config.MODEL.TRUNK.NAME=regnet_fsdp", "variant of 'regnet'; ssl_engine shards no model"),
+    ("config.MODEL.HEAD.PARAMS=[[dino_head_fsdp,{in_dim:16}]]",
+     "variant of 'dino_head'; ssl_engine shards no model (it trains with DistributedDataParallel), and 'dino_head' "
+     "is one of VISSL's that ssl_engine does not implement; implemented: eval_mlp, mlp, swav_head"),
+])
+def test_a_vissl_fsdp_part_is_named_with_the_part_it_shards(override, expected):
+    """VISSL's FSDP configs name the sharded variants of its parts (eval_mlp_fsdp, regnet_fsdp,
+    self_supervision_fsdp_task): the line names the plain part to use, not a "did you mean"."""
+    from ssl_engine.config import compose
+    from ssl_engine.config.validate import check_registered_names
+    from ssl_engine.engines.run import load_builtin_parts
+
+    load_builtin_parts()
+    with pytest.raises(UserError) as e:
+        check_registered_names(compose(["config=quick/supervised_digits", override]))
+    assert expected in str(e.value) and "did you mean" not in str(e.value)
+
+
+def test_several_unregistered_parts_name_the_fsdp_variants_among_them():
+    from ssl_engine.config import compose
+    from ssl_engine.config.validate import check_registered_names
+    from ssl_engine.engines.run import load_builtin_parts
+
+    load_builtin_parts()
+    with pytest.raises(UserError) as e:
+        check_registered_names(compose(["config=quick/supervised_digits", "config.TRAINER.TASK_NAME=self_supervision_fsdp_task",
+                                        "config.LOSS.name=dino_loss"]))
+    assert ("task 'self_supervision_fsdp_task' (config.TRAINER.TASK_NAME; VISSL's FSDP variant of 'self_supervision_task'), "
+            "loss 'dino_loss' (config.LOSS.name; one of VISSL's that ssl_engine does not implement)") in str(e.value)
+
+
 def test_extraction_asks_a_model_only_prepare_only_of_tasks_that_take_it():
     """A user task whose prepare(self, local_rank=0) predates the data keyword still builds
     (as it always did) instead of failing with a TypeError."""

@@ -755,15 +755,23 @@ def check_registered_names(cfg: AttrDict) -> None:
         registry, key, name = unknown[0]
         registry.get(name, key)  # its own message, with the closest names
     if keys_of:
-        parts = ", ".join(f"{kind} {n!r} ({', '.join(keys)}"
-                          + ("; one of VISSL's that ssl_engine does not implement" if n in registries[kind].vissl_names else "")
-                          + ")" for (kind, n), keys in keys_of.items())
+        parts = ", ".join(f"{kind} {n!r} ({', '.join(keys)}{_vissl_note(registries[kind], n)})"
+                          for (kind, n), keys in keys_of.items())
         known = "; ".join(f"known {kind}{'es' if kind.endswith('s') else 's'}: {', '.join(r.names()) or '(none)'}"
                           for kind, r in registries.items())
         raise ConfigError(
             f"this config names {len(keys_of)} parts that are not registered: {parts}; {known} "
             f"(your own parts are registered by the modules in config.USER_MODULES)"
         )
+
+
+def _vissl_note(registry: Any, name: str) -> str:
+    """What a multi-part message adds after a name that is VISSL's: an FSDP variant's plain part,
+    or that the engine does not implement it."""
+    base = registry.fsdp_variants.get(name)
+    if base is not None:
+        return f"; VISSL's FSDP variant of {base!r}" + ("" if base in registry else ", which ssl_engine does not implement")
+    return "; one of VISSL's that ssl_engine does not implement" if name in registry.vissl_names else ""
 
 
 def _check_registered_names(cfg: AttrDict, _lookup: Callable[[Any, str, Any], None]) -> None:

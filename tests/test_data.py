@@ -129,6 +129,23 @@ def test_synthetic_classes_are_learnable() -> None:
     assert (pred == yt).mean() > 0.6
 
 
+def test_data_limit_sampling_without_a_data_limit_says_it_has_no_effect(caplog: Any) -> None:
+    """SKIP_NUM_SAMPLES and IS_BALANCED choose within a DATA_LIMIT subset (as in VISSL): without
+    one they do nothing, which the log says instead of training on the data unchanged in silence."""
+    sampling = {"SKIP_NUM_SAMPLES": 50, "IS_BALANCED": True, "SEED": 0}
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.dataset"):
+        ds = build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=-1,
+                                    DATA_LIMIT_SAMPLING=sampling), "TRAIN")
+    assert len(ds) == round(0.8 * 1797)
+    assert ("config.DATA.TRAIN.DATA_LIMIT_SAMPLING SKIP_NUM_SAMPLES=50 and IS_BALANCED=True: no effect with "
+            "DATA_LIMIT=-1 (all samples); set config.DATA.TRAIN.DATA_LIMIT") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.dataset"):
+        build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=100,
+                               DATA_LIMIT_SAMPLING=sampling), "TRAIN")
+    assert "no effect" not in caplog.text
+
+
 def test_a_data_limit_beyond_the_data_uses_it_all_and_says_so(caplog: Any) -> None:
     with caplog.at_level(logging.WARNING, logger="ssl_engine.data.dataset"):
         ds = build_dataset(make_cfg(DATA_SOURCES=["digits"], LABEL_SOURCES=["digits"], DATA_LIMIT=5000), "TRAIN")

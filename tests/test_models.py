@@ -141,6 +141,40 @@ def test_gray_input_and_bad_norm() -> None:
         build(model_config(18, INPUT_TYPE="cmyk"))
 
 
+@pytest.mark.parametrize("trunk", ["resnet", "regnet"])
+def test_bgr_input_reverses_the_channels_of_the_rgb_batch(trunk: str) -> None:
+    """VISSL's INPUT_TYPE=bgr (weights trained on BGR input, e.g. its Caffe2-era models) reads the
+    transforms' RGB batch with the channels reversed; before, the key was taken and ignored, and
+    such weights saw the wrong channel order without a sign of it."""
+    extra = {"REGNET": {"name": "regnet_y_400mf"}} if trunk == "regnet" else {}
+    rgb_cfg, bgr_cfg = model_config(18, trunk=trunk), model_config(18, trunk=trunk, INPUT_TYPE="bgr")
+    rgb_cfg.TRUNK.update(extra)
+    bgr_cfg.TRUNK.update(extra)
+    rgb, bgr = build(rgb_cfg).eval(), build(bgr_cfg).eval()
+    bgr.load_state_dict(rgb.state_dict())
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(bgr(x)[0], rgb(x[:, [2, 1, 0]])[0])
+        assert not torch.allclose(bgr(x)[0], rgb(x)[0])
+
+
+def test_lab_input_takes_the_l_channel_of_a_three_channel_batch() -> None:
+    """VISSL's colorization trunks (INPUT_TYPE=lab) get the 3-channel LAB tensor and keep its L
+    channel; a one-channel batch is taken as L already."""
+    model = build(model_config(18, INPUT_TYPE="lab")).eval()
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], model(x[:, :1])[0])
+    with pytest.raises(UserError, match=r"config.MODEL.INPUT_TYPE=lab takes images \[N, 3 or 1, H, W\]"):
+        model(torch.rand(2, 2, 32, 32))
+
+
+def test_one_channel_images_for_an_rgb_trunk_name_the_input_type_to_set() -> None:
+    model = build(model_config(18)).eval()
+    with pytest.raises(UserError, match="INPUT_TYPE=rgb takes images .* set config.MODEL.INPUT_TYPE=gray"):
+        model(torch.rand(2, 1, 32, 32))
+
+
 def test_mlp_trunk() -> None:
     model = build(model_config(trunk="mlp", heads=[["mlp", {"dims": [16, 4]}]]))
     assert model.trunk.feature_dims() == {"fc1": 32, "fc2": 16}

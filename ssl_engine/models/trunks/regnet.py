@@ -36,6 +36,7 @@ from classy_vision.models.regnet import RegNetParams
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError, closest
+from ssl_engine.models.input_type import input_type, stem_channels, to_model_input
 from ssl_engine.models.trunks import FeatureTrunk
 from ssl_engine.registry import TRUNKS
 
@@ -218,8 +219,8 @@ class RegNetTrunk(FeatureTrunk):
     def __init__(self, model_config: AttrDict, model_name: str = "regnet") -> None:
         super().__init__()
         self.model_name = model_name
-        input_type = str(model_config.get("INPUT_TYPE", "rgb")).lower()
-        if input_type not in ("rgb", "bgr"):
+        self.input_type = input_type(model_config)
+        if stem_channels(self.input_type) != 3:
             raise UserError(
                 f"config.MODEL.INPUT_TYPE={model_config.get('INPUT_TYPE')!r} is not supported by the regnet trunk "
                 "(its stem takes 3 channels); valid: 'rgb', 'bgr'"
@@ -241,6 +242,4 @@ class RegNetTrunk(FeatureTrunk):
         self._set_blocks(blocks, OrderedDict((b, b) for b in blocks), dims, vector_layers=("avgpool", "flatten"))
 
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.shape[1] != 3:
-            raise UserError(f"regnet trunk expects images [N, 3, H, W], got a batch of shape {list(x.shape)}")
-        return x
+        return to_model_input(x, self.input_type, "regnet")

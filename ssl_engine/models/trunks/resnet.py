@@ -11,7 +11,9 @@ Config (``MODEL.TRUNK.RESNETS``, VISSL names):
 - ``NORM``: only 'BatchNorm'.
 - ``LAYER4_STRIDE``: stride of the res5 stage (2, or 1 for a denser last map).
 
-``MODEL.INPUT_TYPE`` picks the input channels ('rgb'/'bgr': 3, 'gray'/'lab': 1).
+``MODEL.INPUT_TYPE`` says how the trunk reads its input (see ssl_engine.models.input_type): the
+stem takes 3 channels for 'rgb'/'bgr' (BGR reverses the RGB batch), 1 for 'gray'/'lab' (LAB keeps
+the L channel of a 3-channel batch).
 
 Named layers: conv1 (after stem ReLU), res1 (after max-pool), res2..res5, res5avg ([N, C, 1, 1]),
 flatten ([N, C]). Any input of 8x8 pixels or more works; res5avg pools whatever map is left.
@@ -26,6 +28,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
+from ssl_engine.models.input_type import input_type, stem_channels, to_model_input
 from ssl_engine.models.trunks import FeatureTrunk
 from ssl_engine.registry import TRUNKS
 
@@ -40,20 +43,7 @@ DEPTHS: Dict[int, Tuple[Block, Tuple[int, int, int, int]]] = {
     200: (Bottleneck, (3, 24, 36, 3)),
 }
 
-INPUT_CHANNELS: Dict[str, int] = {"rgb": 3, "bgr": 3, "gray": 1, "lab": 1}
-
 KEY = "config.MODEL.TRUNK.RESNETS"
-
-
-def input_channels(model_config: AttrDict) -> int:
-    """Image channels implied by ``MODEL.INPUT_TYPE`` (default 'rgb')."""
-    input_type = str(model_config.get("INPUT_TYPE", "rgb")).lower()
-    if input_type not in INPUT_CHANNELS:
-        raise UserError(
-            f"config.MODEL.INPUT_TYPE={model_config.get('INPUT_TYPE')!r} is not supported; "
-            f"valid: {', '.join(repr(k) for k in INPUT_CHANNELS)}"
-        )
-    return INPUT_CHANNELS[input_type]
 
 
 def _positive_int(cfg: AttrDict, key: str, default: int) -> int:
@@ -97,7 +87,8 @@ class ResNetTrunk(FeatureTrunk):
             )
 
         self.depth = depth
-        self.in_channels = input_channels(model_config)
+        self.input_type = input_type(model_config)
+        self.in_channels = stem_channels(self.input_type)
         stem = 64 * width_mult
         self._inplanes = stem
         blocks: "OrderedDict[str, nn.Module]" = OrderedDict()
@@ -167,9 +158,4 @@ class ResNetTrunk(FeatureTrunk):
                     nn.init.zeros_(m.bn2.weight)
 
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise UserError(
-                f"resnet trunk expects images [N, {self.in_channels}, H, W] (MODEL.INPUT_TYPE), "
-                f"got a batch of shape {list(x.shape)}"
-            )
-        return x
+        return to_model_input(x, self.input_type, "resnet")

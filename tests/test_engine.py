@@ -325,6 +325,18 @@ def test_non_trainable_params_keep_their_values_and_a_wrong_name_is_one_line(tmp
     assert "config.MODEL.NON_TRAINABLE_PARAMS[0]: 'trunk.conv1' names no parameter or module" in err, err
 
 
+def test_a_temp_frozen_name_that_names_nothing_is_refused_before_launch(tmp_path):
+    """The name is checked on the model built before launch: the run's folder is not made (it
+    was refused by each rank's hook, after the folder held a log and the config)."""
+    folder = tmp_path / "bad"
+    r = run_tool(TINY + [f"config.CHECKPOINT.DIR={folder}",
+                         "config.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP=[[heads.0.clf.0.weight,2],[heads.0.clf.9.weight,2]]"])
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "config.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP[1]: 'heads.0.clf.9.weight' names no parameter or module" in err, err
+    assert not folder.exists() or not any(folder.iterdir()), sorted(p.name for p in folder.iterdir())
+
+
 def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
     a = tiny_task(tmp_path / "a", "config.TRAINER.GRAD_ACCUMULATION_STEPS=2", "config.OPTIMIZER.momentum=0.0",
                   "config.OPTIMIZER.weight_decay=0.0")

@@ -229,6 +229,9 @@ def test_model_with_swav_head_gives_its_outputs_and_vissl_param_names():
     # VISSL's TEMP_FROZEN_PARAMS_ITER_MAP name (seen through DDP) finds the prototypes
     found = match_params(model, "module.heads.0.prototypes0.weight")
     assert [n for n, _ in found] == ["heads.0.prototypes0.weight"]
+    # and as FairScale's FSDP shows them (VISSL's quick_swav_2crops lists both names)
+    fsdp = "_fsdp_wrapped_module.heads.0._fsdp_wrapped_module._fpw_module.prototypes0._fsdp_wrapped_module.weight"
+    assert [n for n, _ in match_params(model, fsdp)] == ["heads.0.prototypes0.weight"]
 
 
 def test_extracting_heads_of_a_swav_model_gives_the_embedding():

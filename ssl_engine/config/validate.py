@@ -1265,6 +1265,10 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
     _checked("the model on the data's first samples", check_model_runs_on_samples, model, samples)
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         check_no_batch_of_one(build_cfg, model, loaders["TRAIN"], world_size)
+    if cfg.engine_name == "train" and build_cfg.MODEL.get("TEMP_FROZEN_PARAMS_ITER_MAP"):
+        from ssl_engine.hooks.frozen_params import frozen_params, parse_iter_map
+
+        frozen_params(parse_iter_map(build_cfg.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP), model)
     check_model = getattr(loss, "check_model", None)
     if cfg.engine_name == "train" and callable(check_model):
         _checked("the loss against the model", check_model, model)  # e.g. swav_loss against the swav_head

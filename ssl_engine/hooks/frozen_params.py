@@ -35,6 +35,19 @@ def parse_iter_map(entries: Sequence[Any]) -> List[Tuple[str, int]]:
     return out
 
 
+def frozen_params(entries: Sequence[Tuple[str, int]], model: torch.nn.Module
+                  ) -> List[Tuple[str, int, List[torch.nn.Parameter]]]:
+    """(name, iterations, the parameters it names) of each entry; a UserError for a name that
+    names nothing. Run on the model built before launch too, so a wrong name never starts a run."""
+    out = []
+    for i, (name, iters) in enumerate(entries):
+        params = match_params(model, name)
+        if not params:
+            raise no_such_params(f"{KEY}[{i}]", name, model)
+        out.append((name, iters, [p for _, p in params]))
+    return out
+
+
 @HOOKS.register("TempFrozenParamsHook")
 class TempFrozenParamsHook(SSLHook):
     """Drops the gradients of the named parameters while task.iteration < N."""
@@ -48,13 +61,9 @@ class TempFrozenParamsHook(SSLHook):
         self._until = 0
 
     def on_start(self, task: Any) -> None:
-        model = task.base_model
         self._frozen = []
-        for name, iters in self.entries:
-            params = match_params(model, name)
-            if not params:
-                raise no_such_params(KEY, name, model)
-            self._frozen.append((iters, [p for _, p in params]))
+        for name, iters, params in frozen_params(self.entries, task.base_model):
+            self._frozen.append((iters, params))
             if du.is_primary():
                 log.info("%s: %d parameter tensors under %r frozen for the first %d iterations",
                          KEY.split(".")[-1], len(params), name, iters)

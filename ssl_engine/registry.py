@@ -110,6 +110,10 @@ LOSSES = Registry("loss", "config.LOSS.name", "LOSSES", vissl_names=(
 METERS = Registry("meter", "config.METERS.names", "METERS", vissl_names=("mean_ap_list_meter",))
 OPTIMIZERS = Registry("optimizer", "config.OPTIMIZER.name")
 DATA_SOURCES = Registry("data source", "config.DATA.<split>.DATA_SOURCES")
-TRANSFORMS = Registry("transform", "config.DATA.<split>.TRANSFORMS[].name")
+TRANSFORMS = Registry("transform", "config.DATA.<split>.TRANSFORMS[].name", "TRANSFORMS", vissl_names=(
+    "ImgPatchesFromTensor", "ImgPil2LabTensor", "ImgPilGaussianBlurCV2", "ImgPilRandomColorJitter",
+    "ImgPilRandomPhotometric", "ImgPilResizeLargerSide", "ImgPilSolarize", "ImgPilToPatchesAndImage",
+    "ImgPilToRawTensor", "ImgToTensor", "MNISTImgPil2RGB", "OneHotEncode", "ShuffleImgPatches",
+    "VisslAutoAugment"))
 COLLATORS = Registry("collator", "config.DATA.<split>.COLLATE_FUNCTION", "COLLATORS", vissl_names=(
     "cutmixup_collator", "patch_and_image_collator", "siamese_collator", "targets_one_hot_default_collator"))

@@ -135,6 +135,10 @@ ROWS: List[Row] = [
     R("vissl-trunk-not-implemented", ("config.MODEL.TRUNK.NAME=vision_transformer",),
       ("trunk 'vision_transformer' (config key config.MODEL.TRUNK.NAME) is one of VISSL's",
        "implemented: mlp, regnet, resnet"), tool=False),
+    # VISSL's colorization input: no "did you mean 'PILToTensor'", which would train on RGB
+    R("vissl-transform-not-implemented", ("config.DATA.TRAIN.TRANSFORMS=[{name:ImgPil2LabTensor},{name:ToTensor}]",),
+      ("transform 'ImgPil2LabTensor' (config key config.DATA.TRAIN.TRANSFORMS[0].name) is one of VISSL's that "
+       "ssl_engine does not implement", "@TRANSFORMS.register('ImgPil2LabTensor')"), tool=False),
     R("unknown-transform", ("config.DATA.TRAIN.TRANSFORMS=[{name:ToTensr}]",),
       ("unknown transform 'ToTensr'", "did you mean 'ToTensor'"), tool=False),
     R("unknown-engine", ("engine_name=trian",), ("unknown engine 'trian'", "known: extract_features, train"),

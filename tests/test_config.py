@@ -407,6 +407,35 @@ def test_the_quoting_advice_for_a_non_ascii_value_is_a_shell_word_hydra_reads_ba
 
 
 
+def test_a_config_of_a_vissl_method_not_implemented_says_so_before_its_unknown_keys(tmp_path):
+    """VISSL's DINO config names dino_head / dino_loss and keys of a newer VISSL: the line says
+    first that the method does not run here (the keys' advice, to drop them, would otherwise be
+    all the user hears, and would change the method once its parts are registered)."""
+    config = tmp_path / "dino_like.yaml"
+    config.write_text(textwrap.dedent("""\
+        # @package _global_
+        config:
+          LOSS:
+            name: dino_loss
+          MODEL:
+            HEAD:
+              PARAMS: [[dino_head, {in_dim: 2048}]]
+          OPTIMIZER:
+            param_group_constructor: dino
+    """))
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={config}"])
+    assert str(e.value).startswith(
+        "this config names 2 of VISSL's parts that ssl_engine does not implement: head 'dino_head' "
+        "(config.MODEL.HEAD.PARAMS[0][0]), loss 'dino_loss' (config.LOSS.name); it runs only once modules in "
+        "config.USER_MODULES register them. Its keys as well: unknown config key config.OPTIMIZER.param_group_constructor")
+    module = tmp_path / "dino_parts.py"
+    module.write_text("")
+    with pytest.raises(ConfigError) as e:  # a user module may register them: only the keys are told
+        compose([f"config={config}", f"config.USER_MODULES=[{module}]"])
+    assert str(e.value).startswith("unknown config key config.OPTIMIZER.param_group_constructor")
+
+
 def test_worker_wrapped_errors_unwrap_to_the_original_line():
     wrapped = (
         "rank 1: Caught UserError in DataLoader worker process 0.\n"

@@ -654,6 +654,12 @@ def validate(
                 f"{'them' if many else 'it'} on the file's '# added keys:' line, or drop {'them' if many else 'it'} "
                 f"with {' '.join('~' + k for k in droppable)} on the command line)"
             )
+        lacking = _vissl_parts_lacking(merged)
+        if lacking:  # the first thing to know: this config's method does not run here whatever its keys
+            raise ConfigError(
+                f"this config names {len(lacking)} of VISSL's parts that ssl_engine does not implement: "
+                f"{', '.join(lacking)}; it runs only once modules in config.USER_MODULES register them. Its keys "
+                f"as well: " + "; ".join(problems))
         raise ConfigError("; ".join(problems))
     cfg = merged["config"]
     cfg["engine_name"] = merged.get("engine_name", "train")
@@ -763,6 +769,30 @@ def check_registered_names(cfg: AttrDict) -> None:
             f"this config names {len(keys_of)} parts that are not registered: {parts}; {known} "
             f"(your own parts are registered by the modules in config.USER_MODULES)"
         )
+
+
+def _vissl_parts_lacking(merged: Dict[str, Any]) -> List[str]:
+    """``kind 'name' (key)`` for each part the composed (not yet valid) config names that is one of
+    VISSL's the engine lacks, or VISSL's FSDP variant of one; none when the config has user
+    modules (not imported yet: they may register those names) or its sections are malformed."""
+    from ssl_engine.registry import TRANSFORMS  # noqa: F401  (the registries' VISSL names need no torch)
+
+    found: List[str] = []
+
+    def _lookup(registry: Any, key: str, name: Any) -> None:
+        if isinstance(name, str) and name not in registry and (
+                name in registry.vissl_names or name in registry.fsdp_variants):
+            base = registry.fsdp_variants.get(name)
+            found.append(f"{registry.kind} {name!r} ({key}" + (f"; the FSDP variant of {base!r}" if base else "") + ")")
+
+    try:
+        cfg = AttrDict(dict(merged["config"], engine_name=merged.get("engine_name", "train")))
+        if cfg.get("USER_MODULES"):
+            return []
+        _check_registered_names(cfg, _lookup)
+    except (ConfigError, AttributeError, KeyError, TypeError, IndexError):
+        return []
+    return list(dict.fromkeys(found))
 
 
 def _vissl_note(registry: Any, name: str) -> str:

@@ -72,12 +72,14 @@ def _split_args(argv: List[str]) -> Tuple[List[str], int, bool]:
 
 # warnings of dependencies that a user can do nothing about, as PYTHONWARNINGS entries (action,
 # start of the message, category): import-time deprecation notices of torchvision and torch, and
-# the resource tracker's count of semaphores that ranks or loader workers ended by an error left
+# the resource tracker's count of semaphores that ranks or loader workers ended by an error left,
+# and torch's loader worker count warning, which it repeats for every iterator of every rank
 _QUIET_WARNINGS = (
     "ignore:The 'torchvision.transforms._functional_video' module",
     "ignore:The 'torchvision.transforms._transforms_video' module",
     "ignore:`torch.jit.script` is deprecated:FutureWarning",
     "ignore:resource_tracker",
+    "ignore:This DataLoader will create",  # said once before launch instead (data.loader.worker_count_note)
 )
 
 

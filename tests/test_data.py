@@ -1042,3 +1042,30 @@ def test_a_transform_given_a_parameter_it_lacks_lists_the_ones_it_takes() -> Non
         "config.DATA.TRAIN.TRANSFORMS[3]: bad parameters for transform 'ImgPilGaussianBlur' {'kernel': 23}: "
         "ImgPilGaussianBlur.__init__() got an unexpected keyword argument 'kernel'; it accepts: p, radius_min, "
         "radius_max")
+
+
+def test_more_loader_workers_than_cpus_is_one_note_instead_of_torchs_warning_per_iterator() -> None:
+    """torch warns on every new iterator of every rank when a rank's workers outnumber its CPUs
+    (8 lines for 2 ranks and 2 phases); the tool hides that warning and says it once before launch."""
+    import warnings
+
+    from ssl_engine.cli import quiet_dependency_warnings
+    from ssl_engine.data.loader import worker_count_note
+
+    note = worker_count_note(5, ranks_here=2, cpus=2)
+    assert note == ("config.DATA.NUM_DATALOADER_WORKERS=5 loader workers per rank (2 ranks here: 10 workers) on 2 "
+                    "CPUs: they may slow each other down; about 1 per rank fits this machine, unless loading mostly "
+                    "waits on a disk or network")
+    assert worker_count_note(2, ranks_here=2, cpus=2) is None
+    saved = os.environ.get("PYTHONWARNINGS")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_dependency_warnings()
+        warnings.warn("This DataLoader will create 5 worker processes in total. Our suggested max number of "
+                      "worker in current system is 2", UserWarning)
+        warnings.warn("an unrelated warning", UserWarning)
+    if saved is None:
+        os.environ.pop("PYTHONWARNINGS", None)
+    else:
+        os.environ["PYTHONWARNINGS"] = saved
+    assert [str(w.message) for w in seen] == ["an unrelated warning"]

@@ -1268,10 +1268,13 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
             )
     if data_errors:
         raise UserError("; and ".join(dict.fromkeys(data_errors)))  # one problem found twice is told once
+    notes: List[Optional[str]] = []
     if loaders and not cfg.SLURM.USE_SLURM:  # the ranks start on this machine (each node runs the tool itself)
-        from ssl_engine.data.loader import check_num_workers
+        from ssl_engine.data.loader import check_num_workers, worker_count_note
 
         check_num_workers(int(build_cfg.DATA.NUM_DATALOADER_WORKERS))
+        notes.append(worker_count_note(int(build_cfg.DATA.NUM_DATALOADER_WORKERS),
+                                       max(1, world_size // max(1, int(build_cfg.DISTRIBUTED.NUM_NODES)))))
     with torch.device("meta"):
         model = _checked("the model", build_model, build_cfg.MODEL, build_cfg.OPTIMIZER)
         loss = _checked("the loss", build_loss, build_cfg.LOSS)
@@ -1286,7 +1289,6 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
     batches = check_samples_batch(samples, loaders)
     if cfg.engine_name == "train" and loss is not None:
         check_label_per_row(build_cfg, loss, batches)
-    notes: List[Optional[str]] = []
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         notes.append(_checked("the batch size against the loss", check_loss_batch, build_cfg, loss, loaders["TRAIN"],
                               world_size))

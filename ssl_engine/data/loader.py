@@ -225,6 +225,22 @@ def check_num_workers(num_workers: int, cpus: Optional[int] = None) -> None:
         )
 
 
+def worker_count_note(num_workers: int, ranks_here: int, cpus: Optional[int] = None) -> Optional[str]:
+    """The one warning for more loader workers per rank than the CPUs this process may use (torch
+    says it on every new iterator of every rank, which the tool hides); None when they fit."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # no affinity on this platform: the machine's count, as torch falls back to
+            cpus = os.cpu_count() or 1
+    if num_workers <= cpus:
+        return None
+    total = f" ({ranks_here} ranks here: {ranks_here * num_workers} workers)" if ranks_here > 1 else ""
+    return (f"config.DATA.NUM_DATALOADER_WORKERS={num_workers} loader workers per rank{total} on {cpus} CPUs: "
+            f"they may slow each other down; about {max(1, cpus // max(1, ranks_here))} per rank fits this machine, "
+            f"unless loading mostly waits on a disk or network")
+
+
 def build_dataloader(
     dataset: Any,
     cfg: Any,

@@ -61,7 +61,7 @@ class Registry:
         and naming the config key (``key`` when the caller knows the exact one, e.g. with the split)."""
         if name not in self._objects:
             key = key or self.config_key
-            where = f" (config key {key})" if key else ""
+            where = f" (config key{'s' if ', ' in key else ''} {key})" if key else ""
             base = self.fsdp_variants.get(name)
             if base is not None:
                 fix = (f": name {base!r} instead, which takes the same settings" if base in self._objects else
@@ -109,7 +109,8 @@ LOSSES = Registry("loss", "config.LOSS.name", "LOSSES", vissl_names=(
     "swav_momentum_loss"))
 METERS = Registry("meter", "config.METERS.names", "METERS", vissl_names=("mean_ap_list_meter",))
 OPTIMIZERS = Registry("optimizer", "config.OPTIMIZER.name")
-DATA_SOURCES = Registry("data source", "config.DATA.<split>.DATA_SOURCES")
+DATA_SOURCES = Registry("data source", "config.DATA.<split>.DATA_SOURCES", "DATA_SOURCES",
+                        vissl_names=("everstore",))  # Facebook's internal image store, named by some VISSL configs
 TRANSFORMS = Registry("transform", "config.DATA.<split>.TRANSFORMS[].name", "TRANSFORMS", vissl_names=(
     "ImgPatchesFromTensor", "ImgPil2LabTensor", "ImgPilGaussianBlurCV2", "ImgPilRandomColorJitter",
     "ImgPilRandomPhotometric", "ImgPilResizeLargerSide", "ImgPilSolarize", "ImgPilToPatchesAndImage",

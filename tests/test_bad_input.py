@@ -150,14 +150,20 @@ ROWS: List[Row] = [
       ("this config names 3 parts that are not registered",
        "head 'siamese_concat_view' (config.MODEL.HEAD.PARAMS[0][0]; one of VISSL's that ssl_engine does not implement)",
        "collator 'siamese_collator' (config.DATA.TRAIN.COLLATE_FUNCTION; one of VISSL's",
-       "transform 'ShuffleImgPatches' (config.DATA.TRAIN.TRANSFORMS[1].name)", "known heads: eval_mlp, mlp",
+       "transform 'ShuffleImgPatches' (config.DATA.TRAIN.TRANSFORMS[1].name; one of VISSL's", "known heads: eval_mlp, mlp",
        "known collators:", "config.USER_MODULES"), tool=False),
     # one part named for both splits counts once, with both keys
     R("unknown-part-in-both-splits", ("config.TEST_MODEL=true", "config.DATA.TRAIN.DATA_SOURCES=[everstore]",
                                       "config.DATA.TEST.DATA_SOURCES=[everstore]", "config.LOSS.name=nce_loss_with_memory"),
       ("this config names 2 parts that are not registered",
        "loss 'nce_loss_with_memory' (config.LOSS.name; one of VISSL's that ssl_engine does not implement)",
-       "data source 'everstore' (config.DATA.TRAIN.DATA_SOURCES[0], config.DATA.TEST.DATA_SOURCES[0])"), tool=False),
+       "data source 'everstore' (config.DATA.TRAIN.DATA_SOURCES[0], config.DATA.TEST.DATA_SOURCES[0]; one of VISSL's"),
+      tool=False),
+    R("vissl-data-source-in-both-splits", ("config.TEST_MODEL=true", "config.DATA.TRAIN.DATA_SOURCES=[everstore]",
+                                           "config.DATA.TEST.DATA_SOURCES=[everstore]"),
+      ("data source 'everstore' (config keys config.DATA.TRAIN.DATA_SOURCES[0], config.DATA.TEST.DATA_SOURCES[0]) is "
+       "one of VISSL's that ssl_engine does not implement; implemented: digits, disk_filelist, disk_folder,",),
+      tool=False),
     # a stray key in the options of a VISSL loss this engine lacks says that the loss is missing,
     # not which key of another loss is closest
     R("stray-key-of-unimplemented-loss", ("config.LOSS.nce_loss_with_memory.ignore_index=-1",),

@@ -758,8 +758,8 @@ def check_registered_names(cfg: AttrDict) -> None:
         keys_of.setdefault((registry.kind, name), []).append(key)
         registries[registry.kind] = registry
     if len(keys_of) == 1:
-        registry, key, name = unknown[0]
-        registry.get(name, key)  # its own message, with the closest names
+        registry, _, name = unknown[0]
+        registry.get(name, ", ".join(keys_of[(registry.kind, name)]))  # its own message, with the closest names
     if keys_of:
         parts = ", ".join(f"{kind} {n!r} ({', '.join(keys)}{_vissl_note(registries[kind], n)})"
                           for (kind, n), keys in keys_of.items())

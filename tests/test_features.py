@@ -914,13 +914,23 @@ def test_knn_compares_class_folders_by_name_when_the_test_folder_lacks_a_class(t
     # each test image has its twin in the train folder: every nearest neighbour is of its class
     assert "top-1 100.00%" in [l for l in proc.stdout.splitlines() if l.startswith("kNN heads")][0], proc.stdout
 
-    # VISSL's extraction configs set TRAIN.LABEL_TYPE: sample_index: such targets are no classes
+    # VISSL's extraction configs set TRAIN.LABEL_TYPE: sample_index: such targets are no classes,
+    # which the kNN tool says before it extracts anything ...
     proc = tool([*args, f"config.CHECKPOINT.DIR={tmp_path / 'idx'}", "config.DATA.TRAIN.LABEL_TYPE=sample_index"],
                 script=NN_TOOL, ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: the kNN test compares class labels, but config.DATA.TRAIN.LABEL_TYPE=sample_index gives the features "
+        "sample indices as targets; set config.DATA.TRAIN.LABEL_TYPE=standard")
+    assert not (tmp_path / "idx").exists() or not list((tmp_path / "idx").glob("*.npy"))
+    # ... and of features extracted that way elsewhere, when it reads them
+    tool(["engine_name=extract_features", *args, f"config.CHECKPOINT.DIR={tmp_path / 'idx'}",
+          "config.DATA.TRAIN.LABEL_TYPE=sample_index"])
+    assert "classes" not in extraction_status(tmp_path / "idx", "train")  # no class names for sample indices
+    proc = tool([*args, f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path / 'idx'}"], script=NN_TOOL, ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "extracted with config.DATA.TRAIN.LABEL_TYPE=sample_index, so their targets are sample indices" in \
         proc.stderr.strip().splitlines()[-1]
-    assert "classes" not in extraction_status(tmp_path / "idx", "train")  # no class names for sample indices
 
     # a test split whose extraction was stopped is named as such, not as "no layer with test features"
     write_extraction_status(tmp_path / "out", "test", "running")  # killed before its first shard

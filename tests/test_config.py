@@ -434,6 +434,15 @@ def test_a_config_of_a_vissl_method_not_implemented_says_so_before_its_unknown_k
     with pytest.raises(ConfigError) as e:  # a user module may register them: only the keys are told
         compose([f"config={config}", f"config.USER_MODULES=[{module}]"])
     assert str(e.value).startswith("unknown config key config.OPTIMIZER.param_group_constructor")
+    # an FSDP variant counts when the part it shards is missing too; one of an implemented part
+    # (self_supervision_fsdp_task) is a rename, which the registry check tells once the keys are fixed
+    config.write_text(config.read_text().replace("dino_head", "dino_head_fsdp")
+                      + "  TRAINER:\n    TASK_NAME: self_supervision_fsdp_task\n")
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={config}"])
+    assert str(e.value).startswith(
+        "this config names 2 of VISSL's parts that ssl_engine does not implement: head 'dino_head_fsdp' "
+        "(config.MODEL.HEAD.PARAMS[0][0]; VISSL's FSDP variant of 'dino_head'), loss 'dino_loss' (config.LOSS.name); ")
 
 
 def test_worker_wrapped_errors_unwrap_to_the_original_line():

@@ -773,17 +773,17 @@ def check_registered_names(cfg: AttrDict) -> None:
 
 def _vissl_parts_lacking(merged: Dict[str, Any]) -> List[str]:
     """``kind 'name' (key)`` for each part the composed (not yet valid) config names that is one of
-    VISSL's the engine lacks, or VISSL's FSDP variant of one; none when the config has user
-    modules (not imported yet: they may register those names) or its sections are malformed."""
-    from ssl_engine.registry import TRANSFORMS  # noqa: F401  (the registries' VISSL names need no torch)
-
+    VISSL's the engine lacks, or VISSL's FSDP variant of one (the built-in parts are not loaded
+    yet: the registries' static VISSL names decide); none when the config has user modules (not
+    imported yet: they may register those names) or its sections are malformed."""
     found: List[str] = []
 
-    def _lookup(registry: Any, key: str, name: Any) -> None:
-        if isinstance(name, str) and name not in registry and (
-                name in registry.vissl_names or name in registry.fsdp_variants):
-            base = registry.fsdp_variants.get(name)
-            found.append(f"{registry.kind} {name!r} ({key}" + (f"; the FSDP variant of {base!r}" if base else "") + ")")
+    def _lookup(registry: Any, key: str, name: Any) -> None:  # the registries' VISSL names need no torch
+        if not isinstance(name, str) or name in registry:
+            return
+        base = registry.fsdp_variants.get(name)  # FSDP variants of implemented parts are a rename, told later
+        if name in registry.vissl_names or base in registry.vissl_names:
+            found.append(f"{registry.kind} {name!r} ({key}" + (f"; VISSL's FSDP variant of {base!r}" if base else "") + ")")
 
     try:
         cfg = AttrDict(dict(merged["config"], engine_name=merged.get("engine_name", "train")))

@@ -445,6 +445,40 @@ def test_a_config_of_a_vissl_method_not_implemented_says_so_before_its_unknown_k
         "(config.MODEL.HEAD.PARAMS[0][0]; VISSL's FSDP variant of 'dino_head'), loss 'dino_loss' (config.LOSS.name); ")
 
 
+def test_a_config_given_by_its_path_finds_its_overlays_in_its_own_config_tree(tmp_path, monkeypatch):
+    """A VISSL user's repo: config=/repo/configs/config/pretrain/x/main.yaml with
+    +config/pretrain/x/models=small finds models/small.yaml beside it, without
+    SSL_ENGINE_CONFIG_DIR (it was 'matches no file' with the advice to set it)."""
+    tree = tmp_path / "repo" / "configs" / "config" / "pretrain" / "x"
+    (tree / "models").mkdir(parents=True)
+    (tree / "main.yaml").write_text(textwrap.dedent("""\
+        # @package _global_
+        config:
+          DATA:
+            TRAIN:
+              DATA_SOURCES: [digits]
+              LABEL_SOURCES: [digits]
+          MODEL:
+            TRUNK:
+              NAME: resnet
+    """))
+    (tree / "models" / "small.yaml").write_text(textwrap.dedent("""\
+        # @package _global_
+        config:
+          MODEL:
+            TRUNK:
+              RESNETS:
+                DEPTH: 18
+    """))
+    monkeypatch.delenv("SSL_ENGINE_CONFIG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = compose([f"config={tree / 'main.yaml'}", "+config/pretrain/x/models=small"], warn_unused=False)
+    assert cfg.MODEL.TRUNK.RESNETS.DEPTH == 18
+    with pytest.raises(ConfigError, match=r"\+config/pretrain/x/models=big matches no file big.yaml under .*"
+                                          r"repo/configs/config/pretrain/x/models.*options there: small"):
+        compose([f"config={tree / 'main.yaml'}", "+config/pretrain/x/models=big"])
+
+
 def test_worker_wrapped_errors_unwrap_to_the_original_line():
     wrapped = (
         "rank 1: Caught UserError in DataLoader worker process 0.\n"

@@ -60,6 +60,32 @@ def config_search_dirs() -> List[Path]:
     return out
 
 
+def own_config_tree(experiment: Optional[str]) -> Optional[Path]:
+    """For ``config=`` naming a yaml file by its path inside a ``config/`` folder (a VISSL user's
+    ``configs/config/pretrain/swav/swav_8node_resnet.yaml``): the folder holding that ``config/``,
+    so that the file's ``+config/<group>=<name>`` overlays and ``defaults:`` are found beside it."""
+    if not experiment or not experiment.strip().endswith((".yaml", ".yml")):
+        return None
+    path = Path(experiment.strip()).expanduser()
+    if not path.is_file():
+        return None
+    for parent in path.resolve().parents:
+        if parent.name == "config":
+            return parent.parent
+    return None
+
+
+def search_dirs_with(tree: Optional[Path]) -> List[Path]:
+    """:func:`config_search_dirs` with ``tree`` (see :func:`own_config_tree`) after
+    $SSL_ENGINE_CONFIG_DIR's, before ./configs and the package's."""
+    dirs = config_search_dirs()
+    if tree is None or tree.resolve() in dirs:
+        return dirs
+    at = 1 if os.environ.get("SSL_ENGINE_CONFIG_DIR") and dirs and dirs[0] == Path(
+        os.environ["SSL_ENGINE_CONFIG_DIR"]).expanduser().resolve() else 0
+    return dirs[:at] + [tree.resolve()] + dirs[at:]
+
+
 def known_experiments() -> List[str]:
     """Every experiment name that ``config=`` accepts, e.g. quick/simclr_digits."""
     names = set()
@@ -481,24 +507,25 @@ _FOLDER_LISTED = 10
 _USER_FILE = "user_file"
 
 
-def _resolve_overlay(group: str, value: str) -> Tuple[str, Path]:
+def _resolve_overlay(group: str, value: str, search_dirs: Optional[List[Path]] = None) -> Tuple[str, Path]:
     """``+config/<group>=<name>``: the file ``<group>/<name>.yaml`` of a config folder, merged
     over the experiment (VISSL's way of adding e.g. feature_extraction/trunk_only=rn50_layers)."""
+    dirs = config_search_dirs() if search_dirs is None else search_dirs
     name = value.strip()
     name = name[:-5] if name.endswith(".yaml") else name
     if ".." in Path(group).parts or ".." in Path(name).parts:  # hydra cannot name such a group either
         raise ConfigError(f"+{group}={value}: a config group is a folder of the config search path, without '..'; "
                           f"for a yaml file elsewhere use config=/path/to/file.yaml, or list it in a file's "
                           f"'defaults:', or set SSL_ENGINE_CONFIG_DIR to a folder holding config/<group>/<name>.yaml")
-    for d in config_search_dirs():
+    for d in dirs:
         f = d / group / f"{name}.yaml"
         if f.is_file():
             _check_yaml_file(f)
             return name, f
-    options = sorted({p.stem for d in config_search_dirs() if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
-    dirs = ", ".join(str(d / group) for d in config_search_dirs())
+    options = sorted({p.stem for d in dirs if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
+    where = ", ".join(str(d / group) for d in dirs)
     hint = f"; options there: {', '.join(options[:12])}" if options else ""
-    raise ConfigError(f"+{group}={value} matches no file {name}.yaml under {dirs}{hint}; "
+    raise ConfigError(f"+{group}={value} matches no file {name}.yaml under {where}{hint}; "
                       f"{search_path_note(f'{group}/{name}.yaml')}")
 
 
@@ -714,13 +741,15 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     remove_stale_scratch_folders()
     with tempfile.TemporaryDirectory(prefix=scratch_folder_prefix(os.getpid())) as tmpdir:
         extra_dirs: List[Path] = []
+        given = [i.partition("=")[2] for i in overrides if i.partition("=")[0] == "config"]
+        search_dirs = search_dirs_with(own_config_tree(given[-1] if given else None))
         for item in overrides:
             key, value = _split_override(item)
             if key == "config":
                 experiment = value  # the last config= wins, as with hydra (a script's default, then the user's)
                 continue
             if key.startswith("+config/"):
-                option, overlay = _resolve_overlay(key[1:], value)
+                option, overlay = _resolve_overlay(key[1:], value, search_dirs)
                 added_keys += declared_added_keys(overlay)
                 overlay_files.append(overlay)
                 hydra_overrides.append(f"{key}={option}")
@@ -754,12 +783,12 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             hydra_overrides.insert(0, f"config={option}")
             user_file = experiment.strip() if option == _USER_FILE else None
         try:
-            root = _hydra_compose(hydra_overrides, extra_dirs + config_search_dirs(), user_file)
+            root = _hydra_compose(hydra_overrides, extra_dirs + search_dirs, user_file)
         except ConfigError as e:
             if command_line and (str(e).startswith("unknown config key") or _names_a_list_entry(str(e))):
-                _explain_override_into_a_value(hydra_overrides, command_line, extra_dirs, user_file)
+                _explain_override_into_a_value(hydra_overrides, command_line, extra_dirs + search_dirs, user_file)
             raise
-        merged = _MergedFiles(hydra_overrides, extra_dirs + config_search_dirs(), user_file, Path(tmpdir))
+        merged = _MergedFiles(hydra_overrides, extra_dirs + search_dirs, user_file, Path(tmpdir))
         root.pop("hydra", None)
         _read_legacy_extract_switch(root, engine_on_command_line="engine_name" in command_line)
         if not isinstance(root.get("config"), dict):
@@ -810,14 +839,14 @@ class _MergedFiles:
 _MISSING = object()
 
 
-def _explain_override_into_a_value(hydra_overrides: List[str], command_line: List[str], extra_dirs: List[Path],
+def _explain_override_into_a_value(hydra_overrides: List[str], command_line: List[str], search_dirs: List[Path],
                                    user_file: Optional[str]) -> None:
     """hydra calls an override into a section that a yaml file set to a plain value (``OPTIMIZER: 5``
     with ``config.OPTIMIZER.num_epochs=1``) an unknown key. Compose the files alone and, where such
     a value is on the override's path, raise the line that names it; return otherwise."""
     files = [o for o in hydra_overrides if o.startswith(("config=", "+config/"))]
     try:
-        base = _hydra_compose(files, extra_dirs + config_search_dirs(), user_file)
+        base = _hydra_compose(files, search_dirs, user_file)
     except ConfigError:
         return
     for key in command_line:

@@ -374,15 +374,14 @@ def _data_limit_subset(
     limit = int(scfg.get("DATA_LIMIT", -1))
     if limit == -1:
         sampling = scfg.get("DATA_LIMIT_SAMPLING", {}) or {}
-        unused = [f"SKIP_NUM_SAMPLES={sampling.get('SKIP_NUM_SAMPLES')}" if int(sampling.get("SKIP_NUM_SAMPLES", 0) or 0) else "",
-                  "IS_BALANCED=True" if sampling.get("IS_BALANCED", False) else ""]
-        if any(unused):
-            from ssl_engine import distributed as du
+        ignored = [f"SKIP_NUM_SAMPLES={sampling['SKIP_NUM_SAMPLES']}"] if int(sampling.get("SKIP_NUM_SAMPLES", 0) or 0) else []
+        if sampling.get("IS_BALANCED", False):
+            ignored.append("IS_BALANCED=True")
+        from ssl_engine import distributed as du
 
-            if du.is_primary():  # VISSL applies them to a DATA_LIMIT subset only, and so does this
-                logger.warning("%s %s: no effect with DATA_LIMIT=-1 (all samples); set %s to the number of samples "
-                               "to draw", data_key(split, "DATA_LIMIT_SAMPLING"), " and ".join(u for u in unused if u),
-                               data_key(split, "DATA_LIMIT"))
+        if ignored and du.is_primary():  # VISSL applies them to a DATA_LIMIT subset only, and so does this
+            logger.warning("%s %s: no effect with DATA_LIMIT=-1 (all samples); set %s to the number of samples to draw",
+                           data_key(split, "DATA_LIMIT_SAMPLING"), " and ".join(ignored), data_key(split, "DATA_LIMIT"))
         return None
     if limit <= 0:
         raise UserError(f"{data_key(split, 'DATA_LIMIT')} is {limit}; use -1 for all samples or a positive number")

@@ -40,15 +40,18 @@ DEFAULTS_DIR = Path(__file__).resolve().parent
 DEFAULTS_FILE = DEFAULTS_DIR / "defaults.yaml"
 
 
-def config_search_dirs() -> List[Path]:
+def config_search_dirs(tree: Optional[Path] = None) -> List[Path]:
     """Folders whose ``config/`` sub-folder holds experiment yamls, first match wins.
 
-    $SSL_ENGINE_CONFIG_DIR, then ./configs, then the configs/ folder beside the package.
+    $SSL_ENGINE_CONFIG_DIR, then ``tree`` (the config tree a ``config=`` file lies in, see
+    :func:`own_config_tree`), then ./configs, then the configs/ folder beside the package.
     """
     dirs = []
     env = os.environ.get("SSL_ENGINE_CONFIG_DIR")
     if env:
         dirs.append(Path(env))
+    if tree is not None:
+        dirs.append(tree)
     dirs.append(Path.cwd() / "configs")
     dirs.append(DEFAULTS_DIR.parent.parent / "configs")
     seen, out = set(), []
@@ -73,17 +76,6 @@ def own_config_tree(experiment: Optional[str]) -> Optional[Path]:
         if parent.name == "config":
             return parent.parent
     return None
-
-
-def search_dirs_with(tree: Optional[Path]) -> List[Path]:
-    """:func:`config_search_dirs` with ``tree`` (see :func:`own_config_tree`) after
-    $SSL_ENGINE_CONFIG_DIR's, before ./configs and the package's."""
-    dirs = config_search_dirs()
-    if tree is None or tree.resolve() in dirs:
-        return dirs
-    at = 1 if os.environ.get("SSL_ENGINE_CONFIG_DIR") and dirs and dirs[0] == Path(
-        os.environ["SSL_ENGINE_CONFIG_DIR"]).expanduser().resolve() else 0
-    return dirs[:at] + [tree.resolve()] + dirs[at:]
 
 
 def known_experiments() -> List[str]:
@@ -742,7 +734,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     with tempfile.TemporaryDirectory(prefix=scratch_folder_prefix(os.getpid())) as tmpdir:
         extra_dirs: List[Path] = []
         given = [i.partition("=")[2] for i in overrides if i.partition("=")[0] == "config"]
-        search_dirs = search_dirs_with(own_config_tree(given[-1] if given else None))
+        search_dirs = config_search_dirs(own_config_tree(given[-1] if given else None))
         for item in overrides:
             key, value = _split_override(item)
             if key == "config":

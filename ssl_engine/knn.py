@@ -207,6 +207,12 @@ def knn_on_folder(
         raise UserError(f"kNN {layer} in {folder}: " + (text[len("kNN: "):] if text.startswith("kNN: ") else text)) from None
 
 
+def targets_of(label_type: str) -> str:
+    """What the targets of features extracted with ``DATA.<split>.LABEL_TYPE=label_type`` are,
+    when that is not 'standard' (the source's class labels)."""
+    return "sample indices" if label_type == "sample_index" else "all 0"
+
+
 def load_train_and_test(
     folder: Path, layer: str, train_split: str = "train", test_split: str = "test"
 ) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
@@ -220,8 +226,8 @@ def load_train_and_test(
         if label_type != "standard":
             raise UserError(
                 f"kNN: the {split} features in {folder} were extracted with config.DATA.{split.upper()}.LABEL_TYPE="
-                f"{label_type}, so their targets are {'sample indices' if label_type == 'sample_index' else 'all 0'}, "
-                f"not classes; extract them again with config.DATA.{split.upper()}.LABEL_TYPE=standard"
+                f"{label_type}, so their targets are {targets_of(label_type)}, not classes; extract them again "
+                f"with config.DATA.{split.upper()}.LABEL_TYPE=standard"
             )
     train = load_features(folder, train_split, layer)
     test = load_features(folder, test_split, layer)

@@ -28,13 +28,14 @@ def extract(cfg, node_id: int = 0) -> int:
     asked = [str(s).upper() for s in cfg.EXTRACT_FEATURES.SPLITS]
     if asked and not {"TRAIN", "TEST"} <= set(asked):
         raise UserError(f"the kNN test needs TRAIN and TEST features; config.EXTRACT_FEATURES.SPLITS={asked}")
+    from ssl_engine.knn import targets_of
+
     for split in ("TRAIN", "TEST"):  # told now, not after every feature is extracted
         label_type = str(cfg.DATA[split].get("LABEL_TYPE", "standard"))
         if label_type != "standard":
             raise UserError(
                 f"the kNN test compares class labels, but config.DATA.{split}.LABEL_TYPE={label_type} gives the "
-                f"features {'sample indices' if label_type == 'sample_index' else 'no labels'} as targets; set "
-                f"config.DATA.{split}.LABEL_TYPE=standard")
+                f"features {targets_of(label_type)} as targets; set config.DATA.{split}.LABEL_TYPE=standard")
     from ssl_engine.launch import launch
 
     cfg.engine_name = "extract_features"

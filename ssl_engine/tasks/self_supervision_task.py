@@ -71,13 +71,10 @@ def _load_state_dict_problem(module: torch.nn.Module, part: Any, error: BaseExce
     """Why ``module`` cannot load ``part``, in a few words: the tensors of another shape (file vs
     model), else the names one has and the other lacks; torch's own text (cut) when neither
     says it (e.g. ``part`` is not a mapping of tensors)."""
-    def _shape(value: Any) -> Optional[List[int]]:
-        return list(value.shape) if isinstance(value, torch.Tensor) else None
-
     if isinstance(part, Mapping):
         mine = module.state_dict()
-        sizes = [(k, _shape(v), list(mine[k].shape)) for k, v in part.items()
-                 if k in mine and _shape(v) is not None and _shape(v) != list(mine[k].shape)]
+        sizes = [(k, list(v.shape), list(mine[k].shape)) for k, v in part.items()
+                 if k in mine and isinstance(v, torch.Tensor) and v.shape != mine[k].shape]
         if sizes:
             shown = ", ".join(f"{prefix}{k} is {a} in the file, {b} in this model" for k, a, b in sizes[:2])
             return f"{len(sizes)} tensor(s) of another shape: {shown}" + (f" and {len(sizes) - 2} more" if len(sizes) > 2 else "")

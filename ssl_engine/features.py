@@ -40,6 +40,9 @@ from ssl_engine.resume_state import is_int
 DEFAULT_CHUNK_THRESHOLD = 4096
 KINDS = ("features", "targets", "inds")
 _SHARD_RE = re.compile(r"^rank(\d+)_chunk(\d+)_([a-z0-9]+)_(.+)_(features|targets|inds)\.npy$")
+# VISSL's extraction before it wrote chunks: one shard per rank, rank{R}_{split}_{layer}_{kind}.npy
+_CHUNKLESS_RE = re.compile(r"^rank(\d+)_(train|test)_(.+)_(features|targets|inds)\.npy$")
+_CHUNKLESS = -1  # the chunk of a chunk-less shard in the index (read as chunk 0)
 
 
 class FeatureShardError(UserError):
@@ -139,27 +142,39 @@ def check_finished(folder: Path, split: str) -> Optional[Dict[str, object]]:
     return status
 
 
+def _shard_name(name: str) -> Optional[Tuple[int, int, str, str, str]]:
+    """(rank, chunk, split, layer, kind) of a shard file's name; None for another file. VISSL's
+    older chunk-less shards (``rank{R}_{split}_{layer}_{kind}.npy``) get chunk ``_CHUNKLESS``."""
+    m = _SHARD_RE.match(name)
+    if m:
+        return int(m[1]), int(m[2]), m[3], m[4], m[5]
+    m = _CHUNKLESS_RE.match(name)
+    if m:
+        return int(m[1]), _CHUNKLESS, m[2], m[3], m[4]
+    return None
+
+
 def _index(folder: Path) -> Dict[Tuple[str, str], Dict[Tuple[int, int], Dict[str, Path]]]:
     """{(split, layer): {(rank, chunk): {kind: path}}} of the shard files in ``folder``."""
     out: Dict[Tuple[str, str], Dict[Tuple[int, int], Dict[str, Path]]] = {}
     for p in Path(folder).iterdir():
-        m = _SHARD_RE.match(p.name)
-        if m and p.is_file():
-            rank, chunk, split, layer, kind = int(m[1]), int(m[2]), m[3], m[4], m[5]
+        named = _shard_name(p.name)
+        if named and p.is_file():
+            rank, chunk, split, layer, kind = named
             out.setdefault((split, layer), {}).setdefault((rank, chunk), {})[kind] = p
     return out
 
 
-SHARD_NAMING = "rank<R>_chunk<C>_<split>_<layer>_<features|targets|inds>.npy"
+SHARD_NAMING = "rank<R>_chunk<C>_<split>_<layer>_<features|targets|inds>.npy (or VISSL's older rank<R>_<split>_<layer>_...)"
 
 
 def unnamed_arrays(folder: Path) -> List[str]:
-    """The .npy files in ``folder`` not named as shards (SHARD_NAMING): merged or older-named
-    feature files that no reader here takes, named in its errors."""
+    """The .npy files in ``folder`` not named as shards (SHARD_NAMING, or VISSL's older chunk-less
+    names): merged or renamed feature files that no reader here takes, named in its errors."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.glob("*.npy") if p.is_file() and not _SHARD_RE.match(p.name))
+    return sorted(p.name for p in folder.glob("*.npy") if p.is_file() and _shard_name(p.name) is None)
 
 
 def available(folder: Path) -> List[Tuple[str, str]]:
@@ -197,6 +212,7 @@ class FeatureShard:
     features: np.ndarray
     targets: np.ndarray
     inds: np.ndarray
+    name: str = ""  # the files' common part, e.g. rank0_chunk2_train_res5 (for messages)
 
 
 def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, int], Dict[str, Path]]]:
@@ -218,10 +234,25 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
         missing = [k for k in KINDS if k not in parts]
         if missing:
             raise FeatureShardError(
-                f"inconsistent feature shards in {folder}: rank{rank}_chunk{chunk}_{split}_{layer} has no "
+                f"inconsistent feature shards in {folder}: {_stem(next(iter(parts.values())))} has no "
                 f"{', '.join(missing)} file; extract again"
             )
+    chunkless = sorted(r for r, c in shards if c == _CHUNKLESS)
+    if chunkless and len(chunkless) != len(shards):
+        raise FeatureShardError(
+            f"inconsistent feature shards in {folder}: split {split!r} layer {layer!r} has chunk-less shards "
+            f"(rank{chunkless[0]}_{split}_{layer}_*, VISSL's older naming) and chunked ones (rank<R>_chunk<C>_...): "
+            f"two extractions are mixed; move one of them to another folder"
+        )
     ranks = sorted({r for r, _ in shards})
+    for rank in ranks:  # a chunk deleted from between two others would shorten the split unnoticed
+        chunks = sorted(c for r, c in shards if r == rank and c != _CHUNKLESS)
+        if chunks and chunks != list(range(len(chunks))):
+            gone = sorted(set(range(chunks[-1])) - set(chunks))
+            raise FeatureShardError(
+                f"inconsistent feature shards in {folder}: split {split!r} layer {layer!r} has chunks {chunks} of "
+                f"rank {rank}; chunk {gone[0]} is missing (removed, or not written); extract again"
+            )
     # a rank all of whose samples were unreadable writes no shard: a complete extraction that left
     # samples out may lack a rank (the sample count, checked on loading, still has to match)
     left_out = (extraction_status(folder, split) or {}).get("unreadable")
@@ -233,9 +264,16 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
     return sorted(shards.items())
 
 
+def _stem(path: Path) -> str:
+    """A shard file's name without its kind: rank0_chunk2_train_res5 (or rank0_train_res5)."""
+    named = _shard_name(path.name)
+    return path.name[: -len(f"_{named[4]}.npy")] if named else path.stem
+
+
 def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> FeatureShard:
     mode = "r" if mmap else None
-    name = f"{parts['features'].parent}/rank{key[0]}_chunk{key[1]}_*"
+    stem = _stem(parts["features"])
+    name = f"{parts['features'].parent}/{stem}_*"
     arrays = {}
     for k in KINDS:
         try:
@@ -262,7 +300,7 @@ def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> Fea
             f"inconsistent feature shard {parts['features'].name}: features, targets and inds have "
             f"{n['features']}, {n['targets']} and {n['inds']} rows; extract again"
         )
-    return FeatureShard(key[0], key[1], arrays["features"], arrays["targets"], arrays["inds"])
+    return FeatureShard(key[0], max(key[1], 0), arrays["features"], arrays["targets"], arrays["inds"], stem)
 
 
 def _check_format(folder: Path, split: str, layer: str, shard: "FeatureShard", status: Dict[str, Any]) -> None:
@@ -275,7 +313,7 @@ def _check_format(folder: Path, split: str, layer: str, shard: "FeatureShard", s
     got_shape, got_dtype = list(shard.features.shape[1:]), str(shard.features.dtype)
     if (isinstance(shape, list) and shape != got_shape) or (isinstance(dtype, str) and dtype != got_dtype):
         raise FeatureShardError(
-            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: rank{shard.rank}_chunk{shard.chunk} "
+            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {shard.name} "
             f"holds {got_dtype} features of shape {got_shape} per sample, but the extraction wrote {dtype} of shape "
             f"{shape} (a shard was changed since), extract again"
         )
@@ -291,26 +329,80 @@ def _check_sample_count(folder: Path, split: str, layer: str, rows: int, status:
         )
 
 
+def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureShard],
+                status: Optional[Dict[str, Any]]) -> Optional[np.ndarray]:
+    """Which rows of ``shards`` (taken in order, rank then chunk) to read: the first row of each
+    sample index, as a boolean mask over all their rows; None when no index repeats.
+
+    This engine's extraction writes every index once, so in its shards (``status`` is their
+    status file) a repeat means shards of two extractions are mixed, or one was changed. VISSL's
+    extraction padded the ranks' shares to one length with samples from the start of the split
+    (its sampler's padding), so its shards repeat up to ranks - 1 indices, each with the same
+    target; VISSL's reader kept the first row of each, and so does this one. More repeats than
+    that, or a repeat with another target, is refused for them too.
+    """
+    inds = np.concatenate([np.asarray(s.inds, dtype=np.int64) for s in shards])
+    unique, first = np.unique(inds, return_index=True)
+    repeats = len(inds) - len(unique)
+    if not repeats:
+        return None
+    keep = np.zeros(len(inds), dtype=bool)
+    keep[first] = True
+    repeated = inds[~keep]
+    where = f"inconsistent feature shards in {folder} for {split.lower()}/{layer}"
+    ranks = len({s.rank for s in shards})
+    if status is not None or repeats > ranks - 1:
+        raise FeatureShardError(
+            f"{where}: sample index {int(repeated.min())} appears more than once ({repeats} repeats); shards of two "
+            f"extractions are mixed, or a shard was changed: extract again into an empty folder"
+        )
+    targets = np.concatenate([np.asarray(s.targets).reshape(len(s.inds), -1) for s in shards])
+    first_of = first[np.searchsorted(unique, repeated)]  # the kept row of each repeated one
+    differs = np.flatnonzero(np.any(targets[~keep] != targets[first_of], axis=1))
+    if len(differs):
+        raise FeatureShardError(
+            f"{where}: sample index {int(repeated[differs[0]])} appears twice with different targets; shards of two "
+            f"extractions are mixed: extract again into an empty folder"
+        )
+    return keep
+
+
+def _kept(shard: FeatureShard, keep: Optional[np.ndarray]) -> FeatureShard:
+    """``shard`` without the rows ``keep`` (its part of the mask) leaves out."""
+    if keep is None or keep.all():
+        return shard
+    return FeatureShard(shard.rank, shard.chunk, shard.features[keep], shard.targets[keep], shard.inds[keep], shard.name)
+
+
+def _masks(shards: Sequence[FeatureShard], keep: Optional[np.ndarray]) -> List[Optional[np.ndarray]]:
+    """``keep`` cut into each shard's part (None for every shard when it is None)."""
+    if keep is None:
+        return [None] * len(shards)
+    ends = np.cumsum([len(s.inds) for s in shards])
+    return [keep[end - len(s.inds):end] for s, end in zip(shards, ends)]
+
+
 def iter_shards(folder: Path, split: str, layer: str, mmap: bool = True) -> Iterator[FeatureShard]:
     """The shards of ``split`` / ``layer`` one at a time, by rank then chunk.
 
     With ``mmap`` (default) the arrays are memory-mapped: only what is touched is read. Before
-    the first shard, the row counts in the shards' headers must add up to the samples the
-    extraction wrote (a shard removed or added since is a FeatureShardError, as in
-    :func:`load_features`), so that a reader never goes through part of a split as the whole.
+    the first shard, the indices of all shards are read (8 bytes a sample): each sample comes
+    once (VISSL's padding repeats are left out of the shards that repeat them, see
+    :func:`load_features`), and the shards' rows must add up to the samples the extraction
+    wrote (a shard removed or added since is a FeatureShardError), so that a reader never goes
+    through part of a split as the whole.
     """
     folder = Path(folder)
-    shards = _shard_paths(folder, split, layer)
-    status = extraction_status(folder, split) or {}
-    if isinstance(status.get("samples"), int):
-        rows = 0
-        for key, parts in shards:  # headers only
-            shard = _read_shard(key, parts, mmap=True)
+    paths = _shard_paths(folder, split, layer)
+    status = extraction_status(folder, split)
+    headers = [_read_shard(key, parts, mmap=True) for key, parts in paths]  # headers and inds only
+    keep = _first_rows(folder, split, layer, headers, status)
+    if status is not None:
+        for shard in headers:
             _check_format(folder, split, layer, shard, status)
-            rows += len(shard.inds)
-        _check_sample_count(folder, split, layer, rows, status)
-    for key, parts in shards:
-        yield _read_shard(key, parts, mmap)
+        _check_sample_count(folder, split, layer, sum(len(s.inds) for s in headers), status)
+    for (key, parts), part in zip(paths, _masks(headers, keep)):
+        yield _kept(_read_shard(key, parts, mmap), part)
 
 
 def load_features(folder: Path, split: str, layer: str, flatten: bool = True) -> Dict[str, np.ndarray]:
@@ -319,7 +411,8 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
     Returns ``{"features": [N, D] (or the stored shape with flatten=False), "targets": [N, ...],
     "inds": [N]}``. Raises FeatureShardError (a UserError) when the folder has no shards for
     them, or shards that disagree (missing parts, differing feature shapes, an index twice,
-    missing indices).
+    missing indices). Shards written by VISSL (no status file) may repeat up to ranks - 1
+    indices, the padding of its sampler: the first row of each is read, as VISSL's reader did.
     """
     folder = Path(folder)
     shards = [_read_shard(k, p, mmap=True) for k, p in _shard_paths(folder, split, layer)]
@@ -329,23 +422,16 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
         if s.features.shape[1:] != feat_shape or s.targets.shape[1:] != target_shape:
             raise FeatureShardError(
                 f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: "
-                f"rank{s.rank}_chunk{s.chunk} has features {tuple(s.features.shape[1:])} and targets "
-                f"{tuple(s.targets.shape[1:])} per sample, rank{shards[0].rank}_chunk{shards[0].chunk} has "
+                f"{s.name} has features {tuple(s.features.shape[1:])} and targets "
+                f"{tuple(s.targets.shape[1:])} per sample, {shards[0].name} has "
                 f"{tuple(feat_shape)} and {tuple(target_shape)}; extract again into an empty folder"
             )
-    inds = np.concatenate([np.asarray(s.inds, dtype=np.int64) for s in shards])
-    order = np.argsort(inds, kind="stable")
-    sorted_inds = inds[order]
-    if len(sorted_inds) > 1:
-        dup = np.flatnonzero(sorted_inds[1:] == sorted_inds[:-1])
-        if len(dup):
-            raise FeatureShardError(
-                f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: sample index "
-                f"{int(sorted_inds[dup[0]])} appears more than once ({len(dup)} repeats); shards of two "
-                f"extractions are mixed, or a shard was changed: extract again into an empty folder"
-            )
+    status = extraction_status(folder, split)
+    masks = _masks(shards, _first_rows(folder, split, layer, shards, status))
+    sorted_inds = np.sort(np.concatenate([np.asarray(s.inds if m is None else s.inds[m], dtype=np.int64)
+                                          for s, m in zip(shards, masks)]))
     n = len(sorted_inds)
-    status = extraction_status(folder, split) or {}
+    status = status or {}
     for s in shards:
         _check_format(folder, split, layer, s, status)
     _check_sample_count(folder, split, layer, n, status)
@@ -362,7 +448,8 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
         )
     features = np.empty((n,) + tuple(feat_shape), dtype=shards[0].features.dtype)
     targets = np.empty((n,) + tuple(target_shape), dtype=shards[0].targets.dtype)
-    for s in shards:  # scatter each shard straight to its sorted rows: one copy, no concatenation
+    for s, m in zip(shards, masks):  # scatter each shard straight to its sorted rows: one copy, no concatenation
+        s = _kept(s, m)
         dest = np.asarray(s.inds, dtype=np.int64)
         if written is not None:  # rows past a left-out sample move up
             dest = np.searchsorted(sorted_inds, dest)

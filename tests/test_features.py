@@ -332,7 +332,8 @@ def test_remove_shards_only_touches_the_split(tmp_path: Path) -> None:
         ("truncated", "cannot read feature shard .*/rank0_chunk0_train_res5avg_features.npy: it is shorter than its "
                       "header says \\(truncated\\)"),
         ("rank_gap", "has shards of ranks \\[1\\]"),
-        ("index_gap", "are missing"),
+        ("index_gap", "has chunks \\[0, 2\\] of rank 0; chunk 1 is missing"),
+        ("index_gap_status", "16 samples but indices run from 0 to 17; 2 are missing"),
         ("shape", "has features \\(5,\\)"),
         ("rows", "rows"),
         # were tracebacks (TypeError / ValueError) deep in load_features
@@ -361,6 +362,8 @@ def test_loader_explains_empty_or_inconsistent_folders(tmp_path: Path, damage: s
         path.write_bytes(path.read_bytes()[:-16])
     elif damage == "rank_gap":
         write_split(folder, "train", np.arange(10), rank=1)
+    elif damage == "index_gap_status":  # whole chunks, but samples 8 and 9 are in none
+        write_split(folder, "train", np.r_[0:8, 10:18], threshold=8, batch=4)
     elif damage == "index_gap":
         write_split(folder, "train", np.arange(20), threshold=8, batch=4)
         for kind in ("features", "targets", "inds"):
@@ -595,14 +598,16 @@ def test_knn_tool_reports_a_bad_features_path_in_one_line(tmp_path: Path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: ") and str(tmp_path) in err[0]
-    # merged or older-named feature files (train_res5avg_features.npy, rank0_train_...) are named as not read
+    # merged or renamed feature files (train_res5avg_features.npy) are named as not read; VISSL's older
+    # chunk-less shards (rank0_train_...) are read, and here give the train split only
     for name in ("train_res5avg_features.npy", "rank0_train_res5avg_features.npy"):
         np.save(tmp_path / name, np.zeros((2, 3), dtype=np.float32))
     code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert ("shards are named rank<R>_chunk<C>_<split>_<layer>_<features|targets|inds>.npy, and its other .npy files "
-            "('rank0_train_res5avg_features.npy', 'train_res5avg_features.npy') are not") in err[0], err
+    assert ("has no layer with both train and test features (train/res5avg); shards are named "
+            "rank<R>_chunk<C>_<split>_<layer>_<features|targets|inds>.npy (or VISSL's older rank<R>_<split>_<layer>_...), "
+            "and its other .npy files ('train_res5avg_features.npy') are not: merged or renamed files are not read") in err[0], err
     code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path / 'gone'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"error: config.NEAREST_NEIGHBOR.FEATURES.PATH: {tmp_path / 'gone'} does not exist; name "
@@ -1087,3 +1092,105 @@ def test_knn_on_a_folder_names_the_layer_and_folder_of_features_that_do_not_matc
         np.save(shard_path(tmp_path, 0, 0, split, "fc1", "inds"), np.arange(4))
     with pytest.raises(UserError, match=f"^kNN fc1 in {tmp_path}: train features have dim 32 but test features have dim 16$"):
         knn_on_folder(tmp_path, "fc1", topk=1)
+
+
+# ------------------------------------------------------------------------------- VISSL's own shards
+
+
+def write_vissl_shards(folder: Path, split: str, layer: str, features: np.ndarray, labels: np.ndarray, ranks: int,
+                       chunked: bool = True, stale: float = 0.0) -> None:
+    """Shards as VISSL's extraction wrote them on ``ranks`` GPUs: its sampler padded the shares to
+    one length with samples from the start of the split (rank r takes positions r, r + ranks, ...),
+    targets are [n, 1], no status file. The padded copies' features get ``stale`` added (on a GPU
+    another batch can give other last digits)."""
+    n = len(features)
+    order = list(range(n)) + list(range(-n % ranks))  # the padding: the first samples again
+    for r in range(ranks):
+        inds = np.asarray(order[r::ranks], dtype=np.int64)
+        padded = np.arange(len(inds)) >= len(range(r, n, ranks))
+        feats = features[inds] + stale * padded[:, None]
+        stem = f"rank{r}_chunk0_{split}_{layer}" if chunked else f"rank{r}_{split}_{layer}"
+        np.save(folder / f"{stem}_features.npy", feats.astype(np.float32))
+        np.save(folder / f"{stem}_targets.npy", labels[inds].reshape(-1, 1))
+        np.save(folder / f"{stem}_inds.npy", inds)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "chunk-less"])
+def test_vissl_shards_with_its_sampler_padding_are_read_once_per_sample(tmp_path: Path, chunked: bool) -> None:
+    """VISSL's multi-GPU extraction repeats up to ranks - 1 samples (its sampler's padding) and its
+    reader kept the first row of each; older VISSL wrote one chunk-less shard per rank (was: both
+    refused, "sample index 0 appears more than once" and "no feature shards")."""
+    feats = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+    labels = np.arange(10) % 4
+    write_vissl_shards(tmp_path, "train", "res5", feats, labels, ranks=4, chunked=chunked, stale=0.5)
+    assert available(tmp_path) == [("train", "res5")]
+    got = load_features(tmp_path, "train", "res5")
+    assert got["inds"].tolist() == list(range(10))
+    np.testing.assert_array_equal(got["features"], feats)  # the first rows, not the padded copies
+    assert got["targets"].reshape(-1).tolist() == labels.tolist()
+    shards = list(iter_shards(tmp_path, "train", "res5"))
+    assert [s.rank for s in shards] == [0, 1, 2, 3] and {s.chunk for s in shards} == {0}
+    assert sorted(i for s in shards for i in s.inds.tolist()) == list(range(10))
+    np.testing.assert_array_equal(np.concatenate([s.features for s in shards])[np.argsort(
+        np.concatenate([s.inds for s in shards]))], feats)
+    assert shards[1].name == ("rank1_chunk0_train_res5" if chunked else "rank1_train_res5")
+
+
+def test_repeats_beyond_vissl_padding_or_in_this_engines_shards_are_refused(tmp_path: Path) -> None:
+    feats = np.ones((10, 3), dtype=np.float32)
+    labels = np.arange(10) % 4
+    # 2 ranks pad at most 1 sample: a third shard repeating half the split is two extractions mixed
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    write_vissl_shards(mixed, "train", "res5", feats, labels, ranks=2)
+    np.save(mixed / "rank2_chunk0_train_res5_features.npy", feats[:5])
+    np.save(mixed / "rank2_chunk0_train_res5_targets.npy", labels[:5].reshape(-1, 1))
+    np.save(mixed / "rank2_chunk0_train_res5_inds.npy", np.arange(5))
+    with pytest.raises(FeatureShardError, match=r"sample index 0 appears more than once \(5 repeats\); shards of two"):
+        load_features(mixed, "train", "res5")
+    with pytest.raises(FeatureShardError, match=r"\(5 repeats\)"):
+        next(iter_shards(mixed, "train", "res5"))
+    # a padded copy whose target is not its sample's
+    other = tmp_path / "other"
+    other.mkdir()
+    write_vissl_shards(other, "train", "res5", feats, labels, ranks=3)
+    assert len(load_features(other, "train", "res5")["inds"]) == 10
+    np.save(other / "rank2_chunk0_train_res5_targets.npy", np.full((4, 1), 3))
+    with pytest.raises(FeatureShardError, match="sample index 1 appears twice with different targets"):
+        load_features(other, "train", "res5")
+    # this engine's own shards (a status file) never repeat an index: one repeat is refused
+    write_vissl_shards(other, "test", "res5", feats, labels, ranks=3)
+    write_extraction_status(other, "test", "complete", samples=12)
+    with pytest.raises(FeatureShardError, match=r"sample index 0 appears more than once \(2 repeats\)"):
+        load_features(other, "test", "res5")
+    with pytest.raises(FeatureShardError, match=r"\(2 repeats\)"):
+        next(iter_shards(other, "test", "res5"))
+
+
+def test_chunkless_and_chunked_shards_of_one_layer_are_refused_as_two_extractions(tmp_path: Path) -> None:
+    feats = np.ones((6, 2), dtype=np.float32)
+    write_vissl_shards(tmp_path, "train", "res5", feats, np.zeros(6, np.int64), ranks=2, chunked=False)
+    write_vissl_shards(tmp_path, "train", "res5", feats, np.zeros(6, np.int64), ranks=1, chunked=True)
+    with pytest.raises(FeatureShardError, match=r"has chunk-less shards \(rank0_train_res5_\*, VISSL's older naming\) "
+                                                r"and chunked ones .*two extractions are mixed"):
+        load_features(tmp_path, "train", "res5")
+    # a new extraction into the folder removes both namings of its split
+    assert remove_shards(tmp_path, "train") == 9
+    assert available(tmp_path) == []
+
+
+def test_knn_tool_reads_a_vissl_feature_folder_with_padded_shards(tmp_path: Path) -> None:
+    """The kNN tool on features a VISSL user extracted on 3 GPUs (older chunk-less naming, the
+    sampler's padding repeated): each sample counts once."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    write_vissl_shards(tmp_path, "train", "heads", x[:1000], y[:1000], ranks=3, chunked=False)
+    write_vissl_shards(tmp_path, "test", "heads", x[1000:1400], y[1000:1400], ranks=3, chunked=False)
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}",
+                 "config.NEAREST_NEIGHBOR.TOPK=5"], script=NN_TOOL)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("kNN heads")]
+    assert len(line) == 1 and "1000 train / 400 test, dim 64" in line[0], proc.stdout[-2000:]
+    top1 = float(re.search(r"top-1 ([0-9.]+)%", line[0])[1])
+    assert top1 > 90.0, line[0]  # raw digits pixels: a 5-NN classifies them well

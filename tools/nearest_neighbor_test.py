@@ -57,7 +57,7 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
         others = unnamed_arrays(folder)
         raise FeatureShardError(
             f"{folder} has no layer with both train and test features ({have}); shards are named {SHARD_NAMING}"
-            + (f", and its other .npy files ({first_few(others)}) are not: merged or older-named files are not read"
+            + (f", and its other .npy files ({first_few(others)}) are not: merged or renamed files are not read"
                if others else "")
         )
     nn = cfg.NEAREST_NEIGHBOR

@@ -27,7 +27,7 @@ demo: venv
 # PYTHONDONTWRITEBYTECODE (set on some CI machines) would have each compile it again
 test: venv
 	$(PY) -m compileall -q ssl_engine tools
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not gpu" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --durations=15 -m "not gpu" tests
 
 # the peers the benchmark runs next to the engine (PyTorch Ignite, Lightning) and py-spy: setup.py's bench extra
 $(VENV)/.bench-installed: $(VENV)/.installed setup.py

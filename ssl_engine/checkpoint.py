@@ -934,14 +934,28 @@ def _flatten_vissl_model(state: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor]
     if _is_vissl_model_layout(state):
         flat = {}
         for part in ("trunk", "heads"):
-            for k, v in state.get(part, {}).items():
-                if part == "trunk" and k.startswith("base_model."):
-                    # a trunk saved by a VISSL feature evaluation (its feature-extractor wrapper);
-                    # VISSL removes the prefix the same way for a model that is not one
-                    k = k[len("base_model."):]
+            weights = state.get(part, {})
+            for k, v in (without_eval_wrapper(weights) if part == "trunk" else weights).items():
                 flat[f"{part}.{k}"] = v
         return flat, True
     return state, False
+
+
+_EVAL_WRAPPER = "base_model."
+
+
+def without_eval_wrapper(trunk: Dict[str, Any], own_names: Sequence[str] = ()) -> Dict[str, Any]:
+    """A trunk's weights under the trunk's own names.
+
+    VISSL wraps the trunk of a feature evaluation (frozen trunk, pooled layers) in a feature
+    extractor, so the checkpoints of a linear evaluation name its weights ``base_model.<name>``;
+    VISSL drops the prefix when it loads them into a model that is not one. Weights without the
+    prefix are kept as they are, and so are all of them when the trunk's ``own_names`` use it
+    (a user's trunk with a submodule of that name)."""
+    if any(k.startswith(_EVAL_WRAPPER) for k in own_names):
+        return trunk
+    return {k[len(_EVAL_WRAPPER):] if isinstance(k, str) and k.startswith(_EVAL_WRAPPER) else k: v
+            for k, v in trunk.items()}
 
 
 def _as_tensor(value: Any) -> Optional[torch.Tensor]:

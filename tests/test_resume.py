@@ -833,6 +833,42 @@ def test_a_folder_vissl_trained_in_goes_on_from_vissls_checkpoint(setup, referen
     assert_bitwise_equal({k: ref[k] for k in ("model", "optimizer")}, {k: got[k] for k in ("model", "optimizer")})
 
 
+def test_a_vissl_linear_evaluation_folder_resumes_and_extracts(tmp_path):
+    """VISSL wraps the frozen trunk of a linear evaluation in a feature extractor, so its
+    checkpoints name the trunk's weights base_model._feature_blocks.*: resuming that folder, and
+    extracting features from it, load them under the trunk's own names (was: exit 2, "its weights
+    do not fit this model ... 'trunk.base_model._feature_blocks.conv1.weight'")."""
+    import ssl_engine.checkpoint as ck
+    from ssl_engine.config import compose
+    from ssl_engine.models.model import build_model
+
+    torch.manual_seed(3)
+    model = build_model(compose(["config=quick/linear_eval_digits"], warn_unused=False).MODEL)
+    trunk = {"base_model." + k: v for k, v in model.trunk.state_dict().items()}
+    task_state = {"train": True, "phase_idx": 0, "train_phase_idx": 0, "num_updates": 1, "losses": [], "hooks": {},
+                  "base_model": {"model": {"trunk": trunk, "heads": model.heads.state_dict()}, "meta": {}},
+                  "meters": [], "optimizer": {}, "loss": {}}
+    vissl = {"phase_idx": 0, "train_phase_idx": 0, "iteration": 1, "iteration_num": 1, "loss": {},
+             "type": "consolidated", "classy_state_dict": task_state}
+    small = ["config=quick/linear_eval_digits", "config.DATA.TRAIN.DATA_LIMIT=32", "config.DATA.TEST.DATA_LIMIT=32",
+             "config.OPTIMIZER.num_epochs=2", "config.OPTIMIZER.param_schedulers.lr.milestones=[1]"]
+    for name in ("resume", "extract"):
+        (tmp_path / name).mkdir()
+        torch.save(vissl, str(tmp_path / name / "model_phase0.torch"))
+    r = run_tool([*small, f"config.CHECKPOINT.DIR={tmp_path / 'resume'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'resume' / 'model_phase0.torch'}" in r.stdout + r.stderr
+    final = ck.load_checkpoint(tmp_path / "resume" / "model_final_checkpoint_phase1.torch")
+    got = final["classy_state_dict"]["base_model"]["model"]["trunk"]
+    for k, v in model.trunk.state_dict().items():  # the frozen trunk is VISSL's, untouched
+        assert torch.equal(got[k], v), k
+    r = run_tool(["config=extract/simclr_digits_trunk", "config.DATA.TRAIN.DATA_LIMIT=32", "config.DATA.TEST.DATA_LIMIT=32",
+                  f"config.CHECKPOINT.DIR={tmp_path / 'extract'}", f"config.EXTRACT_FEATURES.OUTPUT_DIR={tmp_path / 'feats'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    status = json.loads((tmp_path / "feats" / "extraction_train.json").read_text())
+    assert status["status"] == "complete" and str(tmp_path / "extract" / "model_phase0.torch") in status["weights"]
+
+
 def test_vissl_optimizer_state_that_does_not_fit_starts_fresh_with_a_warning(setup, reference, tmp_path):
     root, cfg = setup
     ours = torch.load(str(reference[0] / "model_phase0.torch"), map_location="cpu", weights_only=True)

@@ -483,7 +483,11 @@ class SelfSupervisionTask(ClassyTask):
         if fix is None and self.config.CHECKPOINT.get("RESUME_FROM"):
             fix = ("the model config differs from the run that wrote it: resume with that run's model config, or start "
                    "a new run from these weights with config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
+        from ssl_engine.checkpoint import without_eval_wrapper
+
         for module, part in parts:
+            if module is getattr(m, "trunk", None) and isinstance(part, dict):  # a VISSL linear evaluation's trunk
+                part = without_eval_wrapper(part, list(module.state_dict()))
             try:
                 module.load_state_dict(part)
             except (RuntimeError, TypeError, AttributeError) as e:

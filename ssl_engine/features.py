@@ -336,10 +336,12 @@ def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureSh
 
     This engine's extraction writes every index once, so in its shards (``status`` is their
     status file) a repeat means shards of two extractions are mixed, or one was changed. VISSL's
-    extraction padded the ranks' shares to one length with samples from the start of the split
-    (its sampler's padding), so its shards repeat up to ranks - 1 indices, each with the same
-    target; VISSL's reader kept the first row of each, and so does this one. More repeats than
-    that, or a repeat with another target, is refused for them too.
+    extraction ran a sampler that pads the ranks' shares to one length with samples again, so its
+    shards repeat up to ranks - 1 indices, each copy on another rank than the sample's own share
+    and with the same target. The row kept is the one of the lowest rank, the sample's own share
+    (VISSL's readers differ: its older merge kept that one too, its ExtractedFeaturesLoader the
+    copy of whichever file it listed last). More repeats than padding makes, a repeat within one
+    rank or with another target, is refused for them too.
     """
     inds = np.concatenate([np.asarray(s.inds, dtype=np.int64) for s in shards])
     unique, first = np.unique(inds, return_index=True)
@@ -349,15 +351,23 @@ def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureSh
     keep = np.zeros(len(inds), dtype=bool)
     keep[first] = True
     repeated = inds[~keep]
+    first_of = first[np.searchsorted(unique, repeated)]  # the kept row of each repeated one
     where = f"inconsistent feature shards in {folder} for {split.lower()}/{layer}"
-    ranks = len({s.rank for s in shards})
-    if status is not None or repeats > ranks - 1:
+    rank = np.repeat([s.rank for s in shards], [len(s.inds) for s in shards])
+    if status is not None or repeats > len(set(rank.tolist())) - 1:
         raise FeatureShardError(
             f"{where}: sample index {int(repeated.min())} appears more than once ({repeats} repeats); shards of two "
             f"extractions are mixed, or a shard was changed: extract again into an empty folder"
         )
-    targets = np.concatenate([np.asarray(s.targets).reshape(len(s.inds), -1) for s in shards])
-    first_of = first[np.searchsorted(unique, repeated)]  # the kept row of each repeated one
+    same_rank = np.flatnonzero(rank[~keep] == rank[first_of])
+    if len(same_rank):
+        raise FeatureShardError(
+            f"{where}: sample index {int(repeated[same_rank[0]])} appears twice in the shards of rank "
+            f"{int(rank[first_of[same_rank[0]]])}; a shard was changed or two extractions are mixed: extract again "
+            f"into an empty folder"
+        )
+    targets = np.concatenate([np.asarray(s.targets).reshape(len(s.inds), int(np.prod(s.targets.shape[1:], dtype=np.int64)))
+                              for s in shards])
     differs = np.flatnonzero(np.any(targets[~keep] != targets[first_of], axis=1))
     if len(differs):
         raise FeatureShardError(
@@ -368,66 +378,39 @@ def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureSh
 
 
 def _kept(shard: FeatureShard, keep: Optional[np.ndarray]) -> FeatureShard:
-    """``shard`` without the rows ``keep`` (its part of the mask) leaves out."""
+    """``shard`` without the rows ``keep`` (its part of the mask) leaves out: a view when they
+    are its first or last rows (a memory-mapped shard stays mapped), else a copy of the rest."""
     if keep is None or keep.all():
         return shard
-    return FeatureShard(shard.rank, shard.chunk, shard.features[keep], shard.targets[keep], shard.inds[keep], shard.name)
+    kept = np.flatnonzero(keep)
+    rows: Any = slice(kept[0], kept[-1] + 1) if kept[-1] - kept[0] + 1 == len(kept) else keep
+    return FeatureShard(shard.rank, shard.chunk, shard.features[rows], shard.targets[rows], shard.inds[rows], shard.name)
 
 
-def _masks(shards: Sequence[FeatureShard], keep: Optional[np.ndarray]) -> List[Optional[np.ndarray]]:
-    """``keep`` cut into each shard's part (None for every shard when it is None)."""
-    if keep is None:
-        return [None] * len(shards)
-    ends = np.cumsum([len(s.inds) for s in shards])
-    return [keep[end - len(s.inds):end] for s, end in zip(shards, ends)]
+def _check_split(folder: Path, split: str, layer: str, shards: Sequence[FeatureShard],
+                 status: Optional[Dict[str, Any]]) -> Tuple[List[Optional[np.ndarray]], np.ndarray, Optional[np.ndarray]]:
+    """What both readers check before they give anything: the shards' per-sample shapes agree
+    (and are what the status file records), each index comes once (VISSL's padding aside, see
+    :func:`_first_rows`), their samples are the number the extraction wrote, and the indices run
+    from 0 with none missing but the samples the extraction left out.
 
-
-def iter_shards(folder: Path, split: str, layer: str, mmap: bool = True) -> Iterator[FeatureShard]:
-    """The shards of ``split`` / ``layer`` one at a time, by rank then chunk.
-
-    With ``mmap`` (default) the arrays are memory-mapped: only what is touched is read. Before
-    the first shard, the indices of all shards are read (8 bytes a sample): each sample comes
-    once (VISSL's padding repeats are left out of the shards that repeat them, see
-    :func:`load_features`), and the shards' rows must add up to the samples the extraction
-    wrote (a shard removed or added since is a FeatureShardError), so that a reader never goes
-    through part of a split as the whole.
-    """
-    folder = Path(folder)
-    paths = _shard_paths(folder, split, layer)
-    status = extraction_status(folder, split)
-    headers = [_read_shard(key, parts, mmap=True) for key, parts in paths]  # headers and inds only
-    keep = _first_rows(folder, split, layer, headers, status)
-    if status is not None:
-        for shard in headers:
-            _check_format(folder, split, layer, shard, status)
-        _check_sample_count(folder, split, layer, sum(len(s.inds) for s in headers), status)
-    for (key, parts), part in zip(paths, _masks(headers, keep)):
-        yield _kept(_read_shard(key, parts, mmap), part)
-
-
-def load_features(folder: Path, split: str, layer: str, flatten: bool = True) -> Dict[str, np.ndarray]:
-    """Every shard of ``split`` / ``layer`` merged across ranks and chunks, sorted by sample index.
-
-    Returns ``{"features": [N, D] (or the stored shape with flatten=False), "targets": [N, ...],
-    "inds": [N]}``. Raises FeatureShardError (a UserError) when the folder has no shards for
-    them, or shards that disagree (missing parts, differing feature shapes, an index twice,
-    missing indices). Shards written by VISSL (no status file) may repeat up to ranks - 1
-    indices, the padding of its sampler: the first row of each is read, as VISSL's reader did.
-    """
-    folder = Path(folder)
-    shards = [_read_shard(k, p, mmap=True) for k, p in _shard_paths(folder, split, layer)]
-    feat_shape = shards[0].features.shape[1:]
-    target_shape = shards[0].targets.shape[1:]
+    Returns each shard's rows to read (None: all), the sorted indices of those rows, and, when
+    the extraction left samples out, the indices written (else None)."""
+    where = f"inconsistent feature shards in {folder} for {split.lower()}/{layer}"
+    feat_shape, target_shape = shards[0].features.shape[1:], shards[0].targets.shape[1:]
     for s in shards:
         if s.features.shape[1:] != feat_shape or s.targets.shape[1:] != target_shape:
             raise FeatureShardError(
-                f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: "
-                f"{s.name} has features {tuple(s.features.shape[1:])} and targets "
+                f"{where}: {s.name} has features {tuple(s.features.shape[1:])} and targets "
                 f"{tuple(s.targets.shape[1:])} per sample, {shards[0].name} has "
                 f"{tuple(feat_shape)} and {tuple(target_shape)}; extract again into an empty folder"
             )
-    status = extraction_status(folder, split)
-    masks = _masks(shards, _first_rows(folder, split, layer, shards, status))
+    keep = _first_rows(folder, split, layer, shards, status)
+    if keep is None:
+        masks: List[Optional[np.ndarray]] = [None] * len(shards)
+    else:
+        ends = np.cumsum([len(s.inds) for s in shards])
+        masks = [keep[end - len(s.inds):end] for s, end in zip(shards, ends)]
     sorted_inds = np.sort(np.concatenate([np.asarray(s.inds if m is None else s.inds[m], dtype=np.int64)
                                           for s, m in zip(shards, masks)]))
     n = len(sorted_inds)
@@ -442,14 +425,48 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
               else sorted_inds[0] != 0 or sorted_inds[-1] != n - 1):
         expected = int(sorted_inds[-1]) + 1
         raise FeatureShardError(
-            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {n} samples but indices "
-            f"run from {int(sorted_inds[0])} to {expected - 1}; {expected - n - len(left_out)} are missing (a shard "
-            f"was removed or a rank did not finish), extract again"
+            f"{where}: {n} samples but indices run from {int(sorted_inds[0])} to {expected - 1}; "
+            f"{expected - n - len(left_out)} are missing (a shard was removed or a rank did not finish), extract again"
         )
-    features = np.empty((n,) + tuple(feat_shape), dtype=shards[0].features.dtype)
-    targets = np.empty((n,) + tuple(target_shape), dtype=shards[0].targets.dtype)
-    for s, m in zip(shards, masks):  # scatter each shard straight to its sorted rows: one copy, no concatenation
-        s = _kept(s, m)
+    return masks, sorted_inds, written
+
+
+def iter_shards(folder: Path, split: str, layer: str, mmap: bool = True) -> Iterator[FeatureShard]:
+    """The shards of ``split`` / ``layer`` one at a time, by rank then chunk.
+
+    With ``mmap`` (default) the arrays are memory-mapped: only what is touched is read. Before
+    the first shard, every shard's header and indices are read (8 bytes a sample) and checked as
+    :func:`load_features` checks them (shapes, each sample once, the samples the extraction
+    wrote, no index missing), so that a reader never goes through part of a split as the whole.
+    VISSL's padding repeats (see :func:`load_features`) are left out of the shards that hold
+    them.
+    """
+    folder = Path(folder)
+    paths = _shard_paths(folder, split, layer)
+    status = extraction_status(folder, split)
+    masks, _, _ = _check_split(folder, split, layer, [_read_shard(k, p, mmap=True) for k, p in paths], status)
+    for (key, parts), mask in zip(paths, masks):
+        yield _kept(_read_shard(key, parts, mmap), mask)
+
+
+def load_features(folder: Path, split: str, layer: str, flatten: bool = True) -> Dict[str, np.ndarray]:
+    """Every shard of ``split`` / ``layer`` merged across ranks and chunks, sorted by sample index.
+
+    Returns ``{"features": [N, D] (or the stored shape with flatten=False), "targets": [N, ...],
+    "inds": [N]}``. Raises FeatureShardError (a UserError) when the folder has no shards for
+    them, or shards that disagree (missing parts, differing feature shapes, an index twice,
+    missing indices). Shards written by VISSL (no status file) may repeat up to ranks - 1
+    indices, the padding of its sampler: each sample's row is read from its own rank's share.
+    """
+    folder = Path(folder)
+    shards = [_read_shard(k, p, mmap=True) for k, p in _shard_paths(folder, split, layer)]
+    _, sorted_inds, written = _check_split(folder, split, layer, shards, extraction_status(folder, split))
+    n = len(sorted_inds)
+    features = np.empty((n,) + tuple(shards[0].features.shape[1:]), dtype=shards[0].features.dtype)
+    targets = np.empty((n,) + tuple(shards[0].targets.shape[1:]), dtype=shards[0].targets.dtype)
+    # each shard straight to its sorted rows: one copy, no concatenation; the last ranks first, so
+    # that a padding repeat is overwritten by its sample's own row (no rank repeats an index)
+    for s in reversed(shards):
         dest = np.asarray(s.inds, dtype=np.int64)
         if written is not None:  # rows past a left-out sample move up
             dest = np.searchsorted(sorted_inds, dest)

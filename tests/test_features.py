@@ -1117,16 +1117,16 @@ def write_vissl_shards(folder: Path, split: str, layer: str, features: np.ndarra
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "chunk-less"])
 def test_vissl_shards_with_its_sampler_padding_are_read_once_per_sample(tmp_path: Path, chunked: bool) -> None:
-    """VISSL's multi-GPU extraction repeats up to ranks - 1 samples (its sampler's padding) and its
-    reader kept the first row of each; older VISSL wrote one chunk-less shard per rank (was: both
-    refused, "sample index 0 appears more than once" and "no feature shards")."""
+    """VISSL's multi-GPU extraction repeats up to ranks - 1 samples (its sampler's padding): each is
+    read once, from its own rank's share; older VISSL wrote one chunk-less shard per rank (was:
+    both refused, "sample index 0 appears more than once" and "no feature shards")."""
     feats = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
     labels = np.arange(10) % 4
     write_vissl_shards(tmp_path, "train", "res5", feats, labels, ranks=4, chunked=chunked, stale=0.5)
     assert available(tmp_path) == [("train", "res5")]
     got = load_features(tmp_path, "train", "res5")
     assert got["inds"].tolist() == list(range(10))
-    np.testing.assert_array_equal(got["features"], feats)  # the first rows, not the padded copies
+    np.testing.assert_array_equal(got["features"], feats)  # the samples' own rows, not the padded copies
     assert got["targets"].reshape(-1).tolist() == labels.tolist()
     shards = list(iter_shards(tmp_path, "train", "res5"))
     assert [s.rank for s in shards] == [0, 1, 2, 3] and {s.chunk for s in shards} == {0}
@@ -1134,6 +1134,48 @@ def test_vissl_shards_with_its_sampler_padding_are_read_once_per_sample(tmp_path
     np.testing.assert_array_equal(np.concatenate([s.features for s in shards])[np.argsort(
         np.concatenate([s.inds for s in shards]))], feats)
     assert shards[1].name == ("rank1_chunk0_train_res5" if chunked else "rank1_train_res5")
+    # the padded copy is the last row of its shard: the rest stays memory-mapped
+    assert isinstance(shards[3].features, np.memmap) and len(shards[3].inds) == 2
+
+
+def test_vissl_padding_beside_an_empty_shard_reads(tmp_path: Path) -> None:
+    """A shard of no rows (a third-party or edited folder) in a folder with padding repeats (was:
+    a traceback, "cannot reshape array of size 0")."""
+    feats = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+    write_vissl_shards(tmp_path, "train", "res5", feats, np.arange(10) % 4, ranks=4)
+    np.save(tmp_path / "rank2_chunk1_train_res5_features.npy", np.zeros((0, 3), np.float32))
+    np.save(tmp_path / "rank2_chunk1_train_res5_targets.npy", np.zeros((0, 1), np.int64))
+    np.save(tmp_path / "rank2_chunk1_train_res5_inds.npy", np.zeros(0, np.int64))
+    np.testing.assert_array_equal(load_features(tmp_path, "train", "res5")["features"], feats)
+    assert sum(len(s.inds) for s in iter_shards(tmp_path, "train", "res5")) == 10
+
+
+def test_iter_shards_checks_a_folder_without_status_file_as_load_features_does(tmp_path: Path) -> None:
+    """Without a status file (VISSL's shards) the streaming reader used to give shards of other
+    shapes, or a split with indices missing, as they were; it refuses them as load_features does."""
+    def shard(folder: Path, rank: int, inds, dim: int = 2, target_cols: int = 0) -> None:
+        folder.mkdir(exist_ok=True)
+        stem = folder / f"rank{rank}_chunk0_train_l"
+        np.save(f"{stem}_features.npy", np.zeros((len(inds), dim), np.float32))
+        np.save(f"{stem}_targets.npy", np.zeros((len(inds), target_cols) if target_cols else len(inds), np.int64))
+        np.save(f"{stem}_inds.npy", np.asarray(inds, np.int64))
+
+    shard(tmp_path / "dims", 0, [0, 2, 4])
+    shard(tmp_path / "dims", 1, [1, 3], dim=5)
+    shard(tmp_path / "gap", 0, [0, 2, 4])
+    shard(tmp_path / "gap", 1, [1])
+    shard(tmp_path / "targets", 0, [0, 2, 4])
+    shard(tmp_path / "targets", 1, [1, 3, 0], target_cols=2)
+    shard(tmp_path / "in_rank", 0, [0, 2, 4, 2])
+    shard(tmp_path / "in_rank", 1, [1, 3])
+    for name, says in (("dims", "rank1_chunk0_train_l has features \\(5,\\)"),
+                       ("gap", "4 samples but indices run from 0 to 4; 1 are missing"),
+                       ("targets", "rank1_chunk0_train_l has features \\(2,\\) and targets \\(2,\\)"),
+                       ("in_rank", "sample index 2 appears twice in the shards of rank 0")):
+        with pytest.raises(FeatureShardError, match=says):
+            next(iter_shards(tmp_path / name, "train", "l"))
+        with pytest.raises(FeatureShardError, match=says):
+            load_features(tmp_path / name, "train", "l")
 
 
 def test_repeats_beyond_vissl_padding_or_in_this_engines_shards_are_refused(tmp_path: Path) -> None:

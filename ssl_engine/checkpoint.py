@@ -1050,6 +1050,26 @@ def _refuse_non_finite(state: Dict[str, torch.Tensor], path: Path) -> None:
         )
 
 
+def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> List[str]:
+    """Those of the trunk weights ``names`` (not in ``model``) that sit in a numbered block of a
+    container the model has, past its last block: ``layer1.2.conv1.weight`` where the model's
+    ``layer1`` holds blocks 0 and 1. Other weights the model lacks, such as a classifier the trunk
+    does not have (torchvision's ``fc``), are not such blocks."""
+    modules = dict(model.named_modules())
+    out = []
+    for name in names:
+        path = name.split(".")[:-1]
+        if not name.startswith("trunk.") or len(path) < 2:
+            continue
+        for i in range(len(path) - 1, 0, -1):  # the deepest module of the path that the model has
+            parent = ".".join(path[:i])
+            if parent in modules:
+                if path[i].isdigit() and any(c.isdigit() for c, _ in modules[parent].named_children()):
+                    out.append(name)
+                break
+    return out
+
+
 def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str, List[str]]:
     """Load MODEL.WEIGHTS_INIT.PARAMS_FILE into ``model``; return loaded/missing/unexpected names.
 
@@ -1125,6 +1145,14 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
             + ": the file is for another architecture, depth or width; set config.MODEL.TRUNK (and HEAD) to the "
             f"model it was trained with, or name those layers in config.MODEL.WEIGHTS_INIT.SKIP_LAYERS to keep "
             f"them at their random init"
+        )
+    deeper = _weights_of_missing_blocks(model, unexpected) if loaded else []
+    if deeper:  # a ResNet-34's file in a ResNet-18 fits every layer the model has, and more
+        raise UserError(
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {len(deeper)} of its weights belong to numbered blocks "
+            f"this model does not have (e.g. {deeper[0]}): the file is for a deeper network; set config.MODEL.TRUNK "
+            f"to the model it was trained with (e.g. RESNETS.DEPTH), or name those blocks in "
+            f"config.MODEL.WEIGHTS_INIT.SKIP_LAYERS to leave them out"
         )
     if not loaded:
         raise UserError(

@@ -478,6 +478,23 @@ def test_a_vissl_feature_extractor_trunk_loads_without_its_base_model_prefix(tmp
                        src.state_dict()["trunk._feature_blocks.conv1.weight"])
 
 
+def test_a_deeper_networks_file_is_refused_not_loaded_as_its_first_blocks(tmp_path):
+    """A ResNet-34's weights hold every weight of a ResNet-18 with the right shape, and more
+    blocks: the run stops naming a block the model lacks (was: exit 0, 82 'unexpected' at INFO,
+    a ResNet-18 cut out of a ResNet-34). Listing those blocks in SKIP_LAYERS loads the rest;
+    torchvision's own classifier (fc) is no block of the trunk and stays 'unexpected'."""
+    torch.save(torchvision.models.resnet34().state_dict(), str(tmp_path / "r34.pth"))
+    cfg = weights_cfg(tmp_path / "r34.pth", APPEND_PREFIX="trunk._feature_blocks.")
+    with pytest.raises(UserError, match=r"PARAMS_FILE .*r34.pth: 80 of its weights belong to numbered blocks this model "
+                                        r"does not have \(e.g. trunk._feature_blocks.layer1.2.conv1.weight\): the file "
+                                        r"is for a deeper network; set config.MODEL.TRUNK"):
+        ck.init_model_from_weights(resnet18_model(), cfg)
+    cfg.WEIGHTS_INIT.SKIP_LAYERS = ["num_batches_tracked", "layer1.2.", "layer2.2.", "layer2.3.", "layer3.2.",
+                                    "layer3.3.", "layer3.4.", "layer3.5.", "layer4.2."]
+    report = ck.init_model_from_weights(resnet18_model(), cfg)
+    assert report["unexpected"] == ["trunk._feature_blocks.fc.weight", "trunk._feature_blocks.fc.bias"]
+
+
 def test_a_plain_state_dict_under_the_default_key_name_still_takes_the_prefixes(tmp_path):
     """STATE_DICT_KEY_NAME is classy_state_dict by default; a torchvision file has no such key, so
     its weights are read from the top and the prefixes apply (VISSL would stop on the missing key)."""

@@ -318,6 +318,7 @@ def test_linear_eval_with_head_lr_keys_metrics_by_layer(pretrained: Path, tmp_pa
     ])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
+    assert "randomly initialised trunk" not in out  # the trunk came from PARAMS_FILE
     for line in out.splitlines():
         if "not acted on" in line:
             assert not any(k in line for k in ("head_optimizer_params", "lr_head", "PARAMS_MULTIPLIER")), line
@@ -399,3 +400,23 @@ def test_a_pool_op_that_fails_its_layer_in_any_way_is_one_line_before_launch(op:
         with torch.device("meta"):
             model = build_model(cfg.MODEL, cfg.OPTIMIZER)
         check_model_runs_on_samples(model, {"TRAIN": {"data": [torch.zeros(3, 32, 32)]}})
+
+
+def test_a_linear_evaluation_without_weights_warns_that_its_trunk_is_random(caplog) -> None:
+    """A frozen trunk with no WEIGHTS_INIT.PARAMS_FILE trains the heads on a random network: a
+    baseline on purpose, more often a forgotten key (was: no word)."""
+    import logging
+    from types import SimpleNamespace
+
+    from ssl_engine.tasks.self_supervision_task import SelfSupervisionTask
+
+    cfg = compose(LINEAR, warn_unused=False)
+    task = SimpleNamespace(config=cfg, base_model=build_model(cfg.MODEL, cfg.OPTIMIZER), phases=[{"train": True}])
+    with caplog.at_level(logging.WARNING):
+        SelfSupervisionTask.init_weights(task)
+    assert ("the trunk is frozen (config.MODEL.FEATURE_EVAL_SETTINGS) but config.MODEL.WEIGHTS_INIT.PARAMS_FILE is "
+            "empty: the heads train on a randomly initialised trunk") in caplog.text
+    caplog.clear()
+    task.phases = [{"train": False}]  # testing heads alone has its own warning (TEST_ONLY)
+    SelfSupervisionTask.init_weights(task)
+    assert "randomly initialised trunk" not in caplog.text

@@ -244,6 +244,11 @@ class SelfSupervisionTask(ClassyTask):
         from ssl_engine.checkpoint import heads_not_set, init_model_from_weights
 
         if not self.config.MODEL.WEIGHTS_INIT.PARAMS_FILE:
+            if getattr(self.base_model, "trunk_frozen", False) and any(p["train"] for p in self.phases) and du.is_primary():
+                # a linear evaluation of a random network: valid as a baseline, a mistake otherwise
+                log.warning("the trunk is frozen (config.MODEL.FEATURE_EVAL_SETTINGS) but config.MODEL.WEIGHTS_INIT."
+                            "PARAMS_FILE is empty: the heads train on a randomly initialised trunk; set it to the "
+                            "pretrained checkpoint to evaluate")
             return
         why = heads_not_set(init_model_from_weights(self.base_model, self.config.MODEL), self.config.MODEL)
         heads = getattr(self.base_model, "heads", None)

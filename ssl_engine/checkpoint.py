@@ -1070,10 +1070,15 @@ def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> 
     return out
 
 
-def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str, List[str]]:
+def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
+                            heads_used_untrained: Optional[bool] = None) -> Dict[str, List[str]]:
     """Load MODEL.WEIGHTS_INIT.PARAMS_FILE into ``model``; return loaded/missing/unexpected names.
 
     ``model_cfg`` is config.MODEL; head weights are left out when :func:`loads_head_weights` says so.
+    A head weight of another shape is skipped with a warning (the head trains from its random
+    init) unless ``heads_used_untrained`` (default: the model's heads are frozen): an extraction
+    of the heads' output, or frozen heads, would give a partly random head's output, so it is a
+    UserError.
     """
     weights_cfg = model_cfg.WEIGHTS_INIT
     path = named_file(weights_cfg.PARAMS_FILE, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
@@ -1145,6 +1150,16 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any) -> Dict[str,
             + ": the file is for another architecture, depth or width; set config.MODEL.TRUNK (and HEAD) to the "
             f"model it was trained with, or name those layers in config.MODEL.WEIGHTS_INIT.SKIP_LAYERS to keep "
             f"them at their random init"
+        )
+    if heads_used_untrained is None:
+        heads_used_untrained = bool(getattr(model, "heads_frozen", False))
+    head_differ = [m for m in shape_mismatch if m.startswith("heads.")]
+    if head_differ and heads_used_untrained:
+        raise UserError(
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {len(head_differ)} of its head weights have another shape "
+            f"than the model's (e.g. {head_differ[0]}, file vs model), and the heads are not trained here (frozen, "
+            f"or their output extracted): they would be partly random; set config.MODEL.HEAD.PARAMS to the heads "
+            f"the file was trained with, or use trunk features (EXTRACT_TRUNK_FEATURES_ONLY=true)"
         )
     deeper = _weights_of_missing_blocks(model, unexpected) if loaded else []
     if deeper:  # a ResNet-34's file in a ResNet-18 fits every layer the model has, and more

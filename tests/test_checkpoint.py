@@ -495,6 +495,30 @@ def test_a_deeper_networks_file_is_refused_not_loaded_as_its_first_blocks(tmp_pa
     assert report["unexpected"] == ["trunk._feature_blocks.fc.weight", "trunk._feature_blocks.fc.bias"]
 
 
+def test_a_head_of_another_shape_is_an_error_where_the_heads_are_not_trained(tmp_path):
+    """A head of another class count is skipped (the head trains from random init); where the heads
+    are frozen or their output is extracted it would give a partly random head's output: an error
+    (was: a warning, and features of a half-random head written as complete)."""
+    from ssl_engine.models import build_model
+
+    src_cfg = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,7]}]]"])
+    vissl_layout_file(tmp_path / "seven.torch", build_model(src_cfg.MODEL, src_cfg.OPTIMIZER))
+    report = ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "seven.torch"))
+    assert report["shape_mismatch"] == ["heads.0.clf.0.weight (7, 512) vs (10, 512)", "heads.0.clf.0.bias (7,) vs (10,)"]
+    says = (r"seven.torch: 2 of its head weights have another shape than the model's \(e.g. heads.0.clf.0.weight "
+            r"\(7, 512\) vs \(10, 512\), file vs model\), and the heads are not trained here")
+    with pytest.raises(UserError, match=says):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "seven.torch"), heads_used_untrained=True)
+    frozen_cfg = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,10]}]]",
+                          "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=true",
+                          "config.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_AND_HEAD=true",
+                          "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_TRUNK_AND_HEAD=true"])
+    frozen = build_model(frozen_cfg.MODEL, frozen_cfg.OPTIMIZER)
+    frozen_cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(tmp_path / "seven.torch")
+    with pytest.raises(UserError, match=says):
+        ck.init_model_from_weights(frozen, frozen_cfg.MODEL)
+
+
 def test_a_plain_state_dict_under_the_default_key_name_still_takes_the_prefixes(tmp_path):
     """STATE_DICT_KEY_NAME is classy_state_dict by default; a torchvision file has no such key, so
     its weights are read from the top and the prefixes apply (VISSL would stop on the missing key)."""

@@ -113,8 +113,9 @@ def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
         from ssl_engine.checkpoint import heads_not_set, init_model_from_weights
 
-        why = heads_not_set(init_model_from_weights(task.base_model, cfg.MODEL), cfg.MODEL)
-        if why is not None and getattr(task.base_model, "extracts_head_output", False):
+        heads_out = bool(getattr(task.base_model, "extracts_head_output", False))
+        why = heads_not_set(init_model_from_weights(task.base_model, cfg.MODEL, heads_used_untrained=heads_out), cfg.MODEL)
+        if why is not None and heads_out:
             log.warning("extracting the output of heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set (random "
                         "init)%s; set EXTRACT_TRUNK_FEATURES_ONLY=true for trunk features", why)
         return str(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)

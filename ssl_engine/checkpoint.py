@@ -1005,10 +1005,15 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
         if tensor is not None:
             weights[k] = tensor
     if not weights:
+        # e.g. a DINO file's {"teacher": {...}, "student": {...}}: the keys that do hold weights
+        holders = [str(k) for k, v in data.items() if k != key_name and isinstance(v, dict)
+                   and any(_as_tensor(t) is not None for t in v.values())]
         raise CheckpointError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} holds no weights under "
             f"STATE_DICT_KEY_NAME={key_name!r} "
             + (f"(top-level keys: {', '.join(map(str, list(data)[:8]))})" if data else "(it holds an empty mapping)")
+            + (f"; weights are under {first_few(holders)}: set config.MODEL.WEIGHTS_INIT.STATE_DICT_KEY_NAME to one"
+               if holders else "")
         )
     return weights, key_found and key_name == "classy_state_dict" and mapped
 

@@ -385,6 +385,13 @@ def test_init_errors_name_the_file(tmp_path):
     torch.save({"classy_state_dict": {"meta": 3}}, str(tmp_path / "empty.torch"))
     with pytest.raises(CheckpointError, match="holds no weights"):
         ck.init_model_from_weights(model, weights_cfg(tmp_path / "empty.torch"))
+    # a DINO-style file: the weights sit under keys of their own, which the error names
+    weights = {k: v for k, v in model.state_dict().items()}
+    torch.save({"epoch": 3, "teacher": weights, "student": weights}, str(tmp_path / "dino.torch"))
+    with pytest.raises(CheckpointError, match=r"holds no weights under STATE_DICT_KEY_NAME='classy_state_dict' \(top-level "
+                                              r"keys: epoch, teacher, student\); weights are under 'teacher', 'student': "
+                                              r"set config.MODEL.WEIGHTS_INIT.STATE_DICT_KEY_NAME to one"):
+        ck.init_model_from_weights(model, weights_cfg(tmp_path / "dino.torch"))
 
 
 def vissl_layout_file(path, src, trunk_prefix=""):

@@ -952,8 +952,9 @@ def without_eval_wrapper(trunk: Dict[str, Any], own_names: Sequence[str] = ()) -
     VISSL drops the prefix when it loads them into a model that is not one. Weights without the
     prefix are kept as they are, and so are all of them when the trunk's ``own_names`` use it
     (a user's trunk with a submodule of that name)."""
-    if any(k.startswith(_EVAL_WRAPPER) for k in own_names):
-        return trunk
+    if any(k.startswith(_EVAL_WRAPPER) for k in own_names) or not any(
+            isinstance(k, str) and k.startswith(_EVAL_WRAPPER) for k in trunk):
+        return trunk  # as it is (a state dict keeps its _metadata)
     return {k[len(_EVAL_WRAPPER):] if isinstance(k, str) and k.startswith(_EVAL_WRAPPER) else k: v
             for k, v in trunk.items()}
 
@@ -1007,7 +1008,7 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
     if not weights:
         # e.g. a DINO file's {"teacher": {...}, "student": {...}}: the keys that do hold weights
         holders = [str(k) for k, v in data.items() if k != key_name and isinstance(v, dict)
-                   and any(_as_tensor(t) is not None for t in v.values())]
+                   and sum(_as_tensor(t) is not None for t in v.values()) > 1]  # not a loss's one buffer
         raise CheckpointError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} holds no weights under "
             f"STATE_DICT_KEY_NAME={key_name!r} "
@@ -1163,8 +1164,8 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {len(head_differ)} of its head weights have another shape "
             f"than the model's (e.g. {head_differ[0]}, file vs model), and the heads are not trained here (frozen, "
-            f"or their output extracted): they would be partly random; set config.MODEL.HEAD.PARAMS to the heads "
-            f"the file was trained with, or use trunk features (EXTRACT_TRUNK_FEATURES_ONLY=true)"
+            f"a test-only run, or their output extracted): they would be partly random; set config.MODEL.HEAD.PARAMS "
+            f"to the heads the file was trained with"
         )
     deeper = _weights_of_missing_blocks(model, unexpected) if loaded else []
     if deeper:  # a ResNet-34's file in a ResNet-18 fits every layer the model has, and more

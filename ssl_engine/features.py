@@ -228,7 +228,7 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
         have = ", ".join(f"{s}/{l}" for s, l in sorted(index)) or "none"
         raise FeatureShardError(
             f"no feature shards for split {split!r} and layer {layer!r} in {folder} "
-            f"(expected rank{{R}}_chunk{{C}}_{split}_{layer}_features.npy; split/layer found: {have})"
+            f"(shards are named {SHARD_NAMING}; split/layer found: {have})"
         )
     for (rank, chunk), parts in sorted(shards.items()):
         missing = [k for k in KINDS if k not in parts]
@@ -354,7 +354,7 @@ def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureSh
     first_of = first[np.searchsorted(unique, repeated)]  # the kept row of each repeated one
     where = f"inconsistent feature shards in {folder} for {split.lower()}/{layer}"
     rank = np.repeat([s.rank for s in shards], [len(s.inds) for s in shards])
-    if status is not None or repeats > len(set(rank.tolist())) - 1:
+    if status is not None or repeats > len({s.rank for s in shards}) - 1:
         raise FeatureShardError(
             f"{where}: sample index {int(repeated.min())} appears more than once ({repeats} repeats); shards of two "
             f"extractions are mixed, or a shard was changed: extract again into an empty folder"
@@ -383,7 +383,10 @@ def _kept(shard: FeatureShard, keep: Optional[np.ndarray]) -> FeatureShard:
     if keep is None or keep.all():
         return shard
     kept = np.flatnonzero(keep)
-    rows: Any = slice(kept[0], kept[-1] + 1) if kept[-1] - kept[0] + 1 == len(kept) else keep
+    if not len(kept):  # a shard of padding copies only (a rank's last row, or fewer samples than ranks)
+        rows: Any = slice(0, 0)
+    else:
+        rows = slice(kept[0], kept[-1] + 1) if kept[-1] - kept[0] + 1 == len(kept) else keep
     return FeatureShard(shard.rank, shard.chunk, shard.features[rows], shard.targets[rows], shard.inds[rows], shard.name)
 
 
@@ -435,7 +438,8 @@ def iter_shards(folder: Path, split: str, layer: str, mmap: bool = True) -> Iter
     """The shards of ``split`` / ``layer`` one at a time, by rank then chunk.
 
     With ``mmap`` (default) the arrays are memory-mapped: only what is touched is read. Before
-    the first shard, every shard's header and indices are read (8 bytes a sample) and checked as
+    the first shard, every shard's header and indices are read (8 bytes a sample; the targets too
+    where an index repeats) and checked as
     :func:`load_features` checks them (shapes, each sample once, the samples the extraction
     wrote, no index missing), so that a reader never goes through part of a split as the whole.
     VISSL's padding repeats (see :func:`load_features`) are left out of the shards that hold

@@ -524,6 +524,18 @@ def test_a_head_of_another_shape_is_an_error_where_the_heads_are_not_trained(tmp
     frozen_cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(tmp_path / "seven.torch")
     with pytest.raises(UserError, match=says):
         ck.init_model_from_weights(frozen, frozen_cfg.MODEL)
+    # a run of test phases only (TEST_ONLY) tests the heads as loaded
+    from types import SimpleNamespace
+
+    from ssl_engine.tasks.self_supervision_task import SelfSupervisionTask
+
+    test_cfg = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,10]}]]",
+                        f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'seven.torch'}"])
+    task = SimpleNamespace(config=test_cfg, base_model=resnet18_model(), phases=[{"train": False}])
+    with pytest.raises(UserError, match=says):
+        SelfSupervisionTask.init_weights(task)
+    task.phases = [{"train": True}, {"train": False}]  # a training run trains the new head: a warning
+    SelfSupervisionTask.init_weights(task)
 
 
 def test_a_plain_state_dict_under_the_default_key_name_still_takes_the_prefixes(tmp_path):

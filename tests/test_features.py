@@ -1138,6 +1138,20 @@ def test_vissl_shards_with_its_sampler_padding_are_read_once_per_sample(tmp_path
     assert isinstance(shards[3].features, np.memmap) and len(shards[3].inds) == 2
 
 
+def test_a_vissl_shard_of_padding_copies_only_is_given_empty(tmp_path: Path) -> None:
+    """5 samples on 2 ranks in chunks of 2: rank 1's last chunk holds only the padding copy of
+    sample 0 (was: iter_shards gave three shards, then an IndexError)."""
+    for rank, chunks in ((0, [[0, 2], [4]]), (1, [[1, 3], [0]])):
+        for c, inds in enumerate(chunks):
+            np.save(shard_path(tmp_path, rank, c, "train", "l", "features"), np.asarray(inds, np.float32)[:, None])
+            np.save(shard_path(tmp_path, rank, c, "train", "l", "targets"), np.zeros(len(inds), np.int64))
+            np.save(shard_path(tmp_path, rank, c, "train", "l", "inds"), np.asarray(inds, np.int64))
+    shards = list(iter_shards(tmp_path, "train", "l"))
+    assert [(s.rank, s.chunk, s.inds.tolist()) for s in shards] == [(0, 0, [0, 2]), (0, 1, [4]), (1, 0, [1, 3]), (1, 1, [])]
+    assert shards[3].features.shape == (0, 1)
+    assert load_features(tmp_path, "train", "l")["features"][:, 0].tolist() == [0, 1, 2, 3, 4]
+
+
 def test_vissl_padding_beside_an_empty_shard_reads(tmp_path: Path) -> None:
     """A shard of no rows (a third-party or edited folder) in a folder with padding repeats (was:
     a traceback, "cannot reshape array of size 0")."""

@@ -415,7 +415,7 @@ def test_a_linear_evaluation_without_weights_warns_that_its_trunk_is_random(capl
     with caplog.at_level(logging.WARNING):
         SelfSupervisionTask.init_weights(task)
     assert ("the trunk is frozen (config.MODEL.FEATURE_EVAL_SETTINGS) but config.MODEL.WEIGHTS_INIT.PARAMS_FILE is "
-            "empty: the heads train on a randomly initialised trunk") in caplog.text
+            "empty: the run evaluates a randomly initialised trunk") in caplog.text
     caplog.clear()
     task.phases = [{"train": False}]  # testing heads alone has its own warning (TEST_ONLY)
     SelfSupervisionTask.init_weights(task)

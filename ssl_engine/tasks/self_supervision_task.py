@@ -247,10 +247,13 @@ class SelfSupervisionTask(ClassyTask):
             if getattr(self.base_model, "trunk_frozen", False) and any(p["train"] for p in self.phases) and du.is_primary():
                 # a linear evaluation of a random network: valid as a baseline, a mistake otherwise
                 log.warning("the trunk is frozen (config.MODEL.FEATURE_EVAL_SETTINGS) but config.MODEL.WEIGHTS_INIT."
-                            "PARAMS_FILE is empty: the heads train on a randomly initialised trunk; set it to the "
-                            "pretrained checkpoint to evaluate")
+                            "PARAMS_FILE is empty: the run evaluates a randomly initialised trunk; set it to the "
+                            "pretrained checkpoint to evaluate that")
             return
-        why = heads_not_set(init_model_from_weights(self.base_model, self.config.MODEL), self.config.MODEL)
+        # heads that no phase trains (frozen, or a test-only run) must not be partly random
+        untrained = bool(getattr(self.base_model, "heads_frozen", False)) or not any(p["train"] for p in self.phases)
+        why = heads_not_set(init_model_from_weights(self.base_model, self.config.MODEL, heads_used_untrained=untrained),
+                            self.config.MODEL)
         heads = getattr(self.base_model, "heads", None)
         if why is not None and self.config.TEST_ONLY and heads is not None and len(heads):
             log.warning("config.TEST_ONLY tests heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set (random init)%s", why)

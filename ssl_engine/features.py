@@ -303,6 +303,11 @@ def _read_shard(key: Tuple[int, int], parts: Dict[str, Path], mmap: bool) -> Fea
     return FeatureShard(key[0], max(key[1], 0), arrays["features"], arrays["targets"], arrays["inds"], stem)
 
 
+def _inconsistent(folder: Path, split: str, layer: str) -> str:
+    """The start of the error for shards of ``split`` / ``layer`` that do not fit together."""
+    return f"inconsistent feature shards in {folder} for {split.lower()}/{layer}"
+
+
 def _check_format(folder: Path, split: str, layer: str, shard: "FeatureShard", status: Dict[str, Any]) -> None:
     """A shard's features have the per-sample shape and dtype the extraction's status file gives
     for ``layer`` (a shard rewritten or edited since would otherwise be read as this layer's)."""
@@ -313,7 +318,7 @@ def _check_format(folder: Path, split: str, layer: str, shard: "FeatureShard", s
     got_shape, got_dtype = list(shard.features.shape[1:]), str(shard.features.dtype)
     if (isinstance(shape, list) and shape != got_shape) or (isinstance(dtype, str) and dtype != got_dtype):
         raise FeatureShardError(
-            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {shard.name} "
+            f"{_inconsistent(folder, split, layer)}: {shard.name} "
             f"holds {got_dtype} features of shape {got_shape} per sample, but the extraction wrote {dtype} of shape "
             f"{shape} (a shard was changed since), extract again"
         )
@@ -324,7 +329,7 @@ def _check_sample_count(folder: Path, split: str, layer: str, rows: int, status:
     expected = status.get("samples")
     if isinstance(expected, int) and expected != rows:
         raise FeatureShardError(
-            f"inconsistent feature shards in {folder} for {split.lower()}/{layer}: {rows} samples, but the "
+            f"{_inconsistent(folder, split, layer)}: {rows} samples, but the "
             f"extraction wrote {expected} (a shard was removed or added since), extract again"
         )
 
@@ -352,7 +357,7 @@ def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureSh
     keep[first] = True
     repeated = inds[~keep]
     first_of = first[np.searchsorted(unique, repeated)]  # the kept row of each repeated one
-    where = f"inconsistent feature shards in {folder} for {split.lower()}/{layer}"
+    where = _inconsistent(folder, split, layer)
     rank = np.repeat([s.rank for s in shards], [len(s.inds) for s in shards])
     if status is not None or repeats > len({s.rank for s in shards}) - 1:
         raise FeatureShardError(
@@ -399,7 +404,7 @@ def _check_split(folder: Path, split: str, layer: str, shards: Sequence[FeatureS
 
     Returns each shard's rows to read (None: all), the sorted indices of those rows, and, when
     the extraction left samples out, the indices written (else None)."""
-    where = f"inconsistent feature shards in {folder} for {split.lower()}/{layer}"
+    where = _inconsistent(folder, split, layer)
     feat_shape, target_shape = shards[0].features.shape[1:], shards[0].targets.shape[1:]
     for s in shards:
         if s.features.shape[1:] != feat_shape or s.targets.shape[1:] != target_shape:

@@ -7,7 +7,9 @@ traceback, unless ``--debug`` or ``SSL_ENGINE_DEBUG=1`` asks for one.
 
 import difflib
 import errno
+import os
 import re
+from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
 USER_ERROR_EXIT_CODE = 2
@@ -47,6 +49,20 @@ def url_error(key: str, value: str, output: bool = False) -> ConfigError:
         f"{key}: {value} is a URL; ssl_engine does not download files (no network access at run time): "
         f"fetch it first (e.g. wget or curl -o) and set {key} to the local path"
     )
+
+
+def expand_user(value: object, key: str) -> Path:
+    """``value`` as a path with a leading ``~`` or ``~user`` expanded to that home folder.
+
+    ``Path.expanduser`` raises a bare RuntimeError for ``~name`` when this machine has no user
+    ``name``; here that is a ConfigError naming ``key`` (the config key or option that gave it)."""
+    text = str(value)
+    expanded = os.path.expanduser(text)
+    if text.startswith("~") and expanded == text:
+        user = text[1:].split("/", 1)[0]
+        whose = f"user {user!r}, whom this machine does not know" if user else "this user, and HOME is not set"
+        raise ConfigError(f"{key}={text}: '~{user}' names the home folder of {whose}; write the path out in full")
+    return Path(expanded)
 
 
 def does_not_exist(key: str, value: object) -> str:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from ssl_engine.errors import UserError, does_not_exist
+from ssl_engine.errors import UserError, does_not_exist, expand_user
 
 
 def import_user_modules(entries: Iterable[str]) -> None:
@@ -20,7 +20,7 @@ def import_user_modules(entries: Iterable[str]) -> None:
         entry = str(entry)
         try:
             if entry.endswith(".py") or "/" in entry:
-                path = Path(entry).expanduser().resolve()
+                path = expand_user(entry, "config.USER_MODULES").resolve()
                 if not path.is_file():
                     raise UserError(does_not_exist("config.USER_MODULES", entry))
                 if str(path.parent) not in sys.path:

@@ -764,6 +764,31 @@ def test_random_overrides_compose_or_raise_config_error(overrides):
         pass
 
 
+@pytest.mark.parametrize("override, key", [
+    ("config=~nosuchuser0/x.yaml", "config"),
+    ("config=~nosuchuser0", "config"),
+    ('config.CHECKPOINT.DIR="~nosuchuser0/runs"', "config.CHECKPOINT.DIR"),
+    ('config.DATA.TRAIN.DATA_PATHS=["~nosuchuser0/a"]', "config.DATA.TRAIN.DATA_PATHS[0]"),
+    ('config.MODEL.WEIGHTS_INIT.PARAMS_FILE="~nosuchuser0"', "config.MODEL.WEIGHTS_INIT.PARAMS_FILE"),
+])
+def test_a_home_folder_of_an_unknown_user_is_a_config_error_naming_the_key(override, key):
+    """``~name`` of a user the machine does not have: Path.expanduser raised a bare RuntimeError."""
+    from ssl_engine.config import compose
+
+    overrides = ([] if override.startswith("config=") else ["config=quick/supervised_digits"]) + [override]
+    with pytest.raises(ConfigError) as e:
+        compose(overrides, warn_unused=False)
+    assert str(e.value).startswith(f"{key}=") and "'~nosuchuser0' names the home folder of user 'nosuchuser0'" in str(e.value)
+
+
+def test_a_user_module_in_an_unknown_users_home_is_one_line(tmp_path):
+    r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+                  'config.USER_MODULES=["~nosuchuser0/parts.py"]'])
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
+    assert "config.USER_MODULES=~nosuchuser0/parts.py" in err[0] and "write the path out in full" in err[0]
+
+
 _yaml_leaf = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True),
                        st.text(max_size=12))
 _yaml_key = st.one_of(st.sampled_from(["config", "engine_name", "defaults", "DATA", "TRAIN", "LOG_FREQUENCY",

@@ -32,7 +32,7 @@ from ssl_engine.config.validate import (
     unknown_key_message,
     validate,
 )
-from ssl_engine.errors import ConfigError, closest
+from ssl_engine.errors import ConfigError, closest, expand_user
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def own_config_tree(experiment: Optional[str]) -> Optional[Path]:
     so that the file's ``+config/<group>=<name>`` overlays and ``defaults:`` are found beside it."""
     if not experiment or not experiment.strip().endswith((".yaml", ".yml")):
         return None
-    path = Path(experiment.strip()).expanduser()
+    path = expand_user(experiment.strip(), "config")
     if not path.is_file():
         return None
     for parent in path.resolve().parents:
@@ -440,7 +440,7 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
     if not value:
         near = known_experiments()[:6]
         raise ConfigError(f"config= is empty: name an experiment file, e.g. {', '.join('config=' + n for n in near)}")
-    as_path = Path(value).expanduser()
+    as_path = expand_user(value, "config")
     if value.endswith((".yaml", ".yml")) and (as_path.is_file() or as_path.is_absolute()):
         if not as_path.is_file():
             _refuse_folder(value, value)
@@ -477,14 +477,14 @@ def _refuse_folder(value: str, name: str) -> None:
     """``config=`` naming a folder (a path, or a folder of the config search path such as
     ``quick``): say so, with the yaml files in it that it could name instead."""
     name = os.path.normpath(name) if name else name
-    relative = bool(name) and not Path(name).expanduser().is_absolute()
+    relative = bool(name) and not expand_user(name, "config").is_absolute()
     in_search_path = [d / "config" / name for d in config_search_dirs() if relative and (d / "config" / name).is_dir()]
     if in_search_path:  # named as experiments are (config=quick/simclr_digits); config folders are small
         where = ", ".join(map(str, in_search_path))
         prefix = "" if name == "." else f"{name}/"
         names = sorted({f"{prefix}{p.relative_to(f).with_suffix('')}" for f in in_search_path for p in f.rglob("*.yaml")})
-    elif Path(value).expanduser().is_dir():  # named as a path (config=/any/path/file.yaml): its own files only
-        folder = Path(value).expanduser()
+    elif expand_user(value, "config").is_dir():  # named as a path (config=/any/path/file.yaml): its own files only
+        folder = expand_user(value, "config")
         where = str(folder)
         names = sorted(f"{value.rstrip('/')}/{p.name}" for p in folder.iterdir()
                        if p.suffix in (".yaml", ".yml") and p.is_file())
@@ -529,7 +529,7 @@ def search_path_note(wanted: str) -> str:
     order = "the search path is $SSL_ENGINE_CONFIG_DIR/config, ./configs/config, then the package's configs/config"
     if not env:
         return f"{order}; SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding {wanted})"
-    if not (Path(env).expanduser() / "config").is_dir():
+    if not (Path(env) / "config").is_dir():
         return f"{order}; SSL_ENGINE_CONFIG_DIR={env} was left out: it has no config/ folder"
     return f"{order}; SSL_ENGINE_CONFIG_DIR={env}"
 
@@ -915,7 +915,7 @@ def _file_setting(user_file: Optional[str], parts: List[str]) -> Optional[str]:
     if not user_file:
         return None
     try:
-        node: Any = read_yaml_file(Path(user_file).expanduser())
+        node: Any = read_yaml_file(expand_user(user_file, "config"))
     except ConfigError:
         return None
     for part in parts:

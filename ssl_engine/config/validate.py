@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
-from ssl_engine.errors import ConfigError, UserError, closest, does_not_exist
+from ssl_engine.errors import ConfigError, UserError, closest, does_not_exist, expand_user
 
 log = logging.getLogger(__name__)
 
@@ -697,10 +697,10 @@ def expand_home(cfg: Dict[str, Any]) -> None:
     """Expand a leading ``~`` in the keys that name files and folders (_PATH_KEYS, DATA_PATHS,
     LABEL_PATHS), once, when the config is composed: every part of the run, and every rank on
     any node, then reads the same folder, and none makes a folder named ``~`` where it runs."""
-    def expanded(value: Any) -> Any:
+    def expanded(value: Any, key: str) -> Any:
         if isinstance(value, str) and value.startswith("~"):
-            return os.path.expanduser(value)
-        return [expanded(v) for v in value] if isinstance(value, list) else value
+            return str(expand_user(value, key))
+        return [expanded(v, f"{key}[{i}]") for i, v in enumerate(value)] if isinstance(value, list) else value
 
     places = [tuple(dotted.split(".")) for dotted, _ in _PATH_KEYS]
     places += [("DATA", split, key) for split in ("TRAIN", "TEST") for key in ("DATA_PATHS", "LABEL_PATHS")]
@@ -709,7 +709,7 @@ def expand_home(cfg: Dict[str, Any]) -> None:
         for key in keys[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict) and keys[-1] in node:
-            node[keys[-1]] = expanded(node[keys[-1]])
+            node[keys[-1]] = expanded(node[keys[-1]], "config." + ".".join(keys))
 
 
 def warn_unread_dataset_names(cfg: Dict[str, Any], default_data: Dict[str, Any]) -> None:

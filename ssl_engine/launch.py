@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo, env_rank_info
@@ -263,6 +263,7 @@ class RankGroup:
         self.cause: Optional[int] = None  # index of the rank whose failure ended the job
         self._signalled_at: Optional[float] = None
         self._interrupts: List[float] = []  # when each Ctrl-C reached the launcher
+        self._killed: Set[int] = set()  # ranks the launcher itself SIGKILLed
         self._said_how_to_kill = False
         self._error_dir = ""
 
@@ -389,6 +390,7 @@ class RankGroup:
 
     def _kill_alive(self) -> None:
         for p in self.alive():
+            self._killed.add(self.procs.index(p))
             _kill_group(p.pid)
         for p in self.procs:
             p.join(timeout=5)
@@ -425,6 +427,12 @@ class RankGroup:
                 _, _, text = next(self._read_error(i) for i, c in enumerate(codes) if c == PREEMPTED_EXIT_CODE)
                 log.warning("%s", text.strip() or "stopped on a preemption signal")
                 return PREEMPTED_EXIT_CODE
+        if self.cause is not None:
+            # decided again now that every rank has ended and written its error file: the rank that
+            # failed first may still have been exiting (closing its connections, which made the
+            # others fail) when the poll saw another rank's exit
+            ended = [i for i, c in enumerate(codes) if c not in (0, PREEMPTED_EXIT_CODE) and i not in self._killed]
+            self.cause = self._first_failure(ended) if self.cause in ended else self.cause
         index = self.cause if self.cause is not None else next(i for i, c in enumerate(codes) if c != 0)
         rank = self.node_id * self.nproc + index
         _, code, text = self._read_error(index)

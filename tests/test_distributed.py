@@ -881,3 +881,33 @@ def test_a_killed_launchers_rendezvous_folder_is_removed_by_the_next_launcher(tm
     new = Path(launcher_temp_dir(RDZV_PREFIX, str(tmp_path)))
     assert new.name.startswith(f"{RDZV_PREFIX}{host}_{os.getpid()}_") and new.is_dir()
     assert not gone.exists() and live.exists() and other_host.exists() and unnamed.exists()
+
+
+class _EndedRank:
+    def __init__(self, exitcode: int) -> None:
+        self.exitcode, self.pid = exitcode, None
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: Any = None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seen_first", [0, 1])
+def test_the_rank_that_failed_first_is_reported_whichever_exit_the_launcher_saw_first(tmp_path: Path, seen_first: int) -> None:
+    """Rank 0 raised a user error; its closing connections made rank 1 fail a moment later. Rank 0
+    may still be exiting when the launcher's poll sees rank 1's exit (a loaded machine): the job
+    must still end with rank 0's one line and exit code 2, not rank 1's connection traceback."""
+    from ssl_engine.errors import UserError
+    from ssl_engine.launch import RankGroup
+
+    cfg = compose(["config=quick/simclr_synthetic", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
+    group = RankGroup(cfg)
+    group._error_dir = str(tmp_path)
+    (tmp_path / "rank0.err").write_text("100.0\n2\nconfig.DATA.TRAIN: image b/fake.png cannot be read")
+    (tmp_path / "rank1.err").write_text("100.4\n1\nTraceback ...\nRuntimeError: Connection closed by peer\n")
+    group.procs = [_EndedRank(2), _EndedRank(1)]
+    group.cause = seen_first
+    with pytest.raises(UserError, match=r"^rank 0: config.DATA.TRAIN: image b/fake.png cannot be read$"):
+        group._report()

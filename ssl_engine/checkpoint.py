@@ -726,9 +726,14 @@ def _move_run_files(folder: Path, target: Path) -> int:
     return moved
 
 
-def _numpy_array_globals() -> List[Any]:
-    """What unpickling a numeric numpy array needs, and nothing that runs code: VISSL's weight files
-    may hold arrays (its converted Caffe2 models; VISSL's loader takes them with torch.from_numpy)."""
+def _data_globals() -> List[Any]:
+    """The classes besides tensors and plain containers that a weights file may hold and that
+    build data without running code: numeric numpy arrays (VISSL's converted Caffe2 models hold
+    them; VISSL's loader takes them with torch.from_numpy) and ``argparse.Namespace`` (the
+    training arguments DINO's and other repositories' checkpoints carry under ``args``; its
+    attributes go through the same restricted reader)."""
+    import argparse
+
     import numpy as np
 
     try:
@@ -736,7 +741,7 @@ def _numpy_array_globals() -> List[Any]:
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
     numbers = (np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64)
-    return [_reconstruct, scalar, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in numbers)]
+    return [_reconstruct, scalar, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in numbers), argparse.Namespace]
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
@@ -751,7 +756,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     try:
         with warnings.catch_warnings():  # torch warns of a pickle protocol it did not write; the error says more
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            with torch.serialization.safe_globals(_numpy_array_globals()):
+            with torch.serialization.safe_globals(_data_globals()):
                 data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         text = str(e)
@@ -1076,6 +1081,42 @@ def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> 
     return out
 
 
+def _prefix_advice(weights: Dict[str, Any], own: Dict[str, torch.Tensor]) -> str:
+    """The end of the "none of its weights match" error: the REMOVE_PREFIX / APPEND_PREFIX that map
+    the most of the file's weights onto the model's names (with the model's shapes), when a pair
+    maps at least a quarter of them; e.g. a DINO teacher's ``backbone.conv1.weight`` onto
+    ``trunk._feature_blocks.conv1.weight``. Candidates come from the longest dotted name ending
+    that a file key shares with a model key."""
+    endings: Dict[str, List[str]] = {}
+    for name in own:
+        parts = name.split(".")
+        for i in range(len(parts) - 1):  # endings of two parts or more ("conv1.weight", "0.bn1.weight")
+            endings.setdefault(".".join(parts[i:]), []).append(name)
+    candidates: Dict[Tuple[str, str], int] = {}
+    for key in list(weights)[:64]:
+        parts = key.split(".")
+        for i in range(len(parts) - 1):
+            ending = ".".join(parts[i:])
+            if ending in endings:
+                for name in endings[ending][:4]:
+                    pair = (key[: len(key) - len(ending)], name[: len(name) - len(ending)])
+                    candidates[pair] = candidates.get(pair, 0) + 1
+                break
+
+    def matched(pair: Tuple[str, str]) -> int:
+        remove, append = pair
+        return sum(1 for k, v in weights.items() if k.startswith(remove) and isinstance(v, torch.Tensor)
+                   and getattr(own.get(append + k[len(remove):]), "shape", None) == v.shape)
+
+    best = max(sorted(candidates, key=candidates.get, reverse=True)[:3], key=matched, default=None)
+    count = matched(best) if best is not None else 0
+    if best is None or count < max(1, len(weights) // 4):
+        return "set REMOVE_PREFIX / APPEND_PREFIX / STATE_DICT_KEY_NAME"
+    remove, append = best
+    shown = [f"config.MODEL.WEIGHTS_INIT.{k}={v or chr(39) * 2}" for k, v in (("REMOVE_PREFIX", remove), ("APPEND_PREFIX", append))]
+    return f"{shown[0]} and {shown[1]} map {count} of them onto the model's names"
+
+
 def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
                             heads_used_untrained: Optional[bool] = None) -> Dict[str, List[str]]:
     """Load MODEL.WEIGHTS_INIT.PARAMS_FILE into ``model``; return loaded/missing/unexpected names.
@@ -1181,7 +1222,7 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
             f"(first file key {next(iter(renamed), '-')!r}, first model key {next(iter(own), '-')!r}); "
             + ("the file's classy_state_dict is mapped by its trunk/heads layout (REMOVE_PREFIX / APPEND_PREFIX do "
                "not apply to it); set STATE_DICT_KEY_NAME to read another key of the file"
-               if layout_mapped else "set REMOVE_PREFIX / APPEND_PREFIX / STATE_DICT_KEY_NAME")
+               if layout_mapped else _prefix_advice(weights, own))
         )
     _refuse_non_finite(new_state, path)
     model.load_state_dict(new_state, strict=False)

@@ -624,3 +624,36 @@ def test_a_file_saved_without_checksums_is_not_called_damaged(tmp_path):
     ck.check_intact(path, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
     torch.save({"w": torch.ones(1000)}, tmp_path / "crc.torch")
     assert ck.damaged_record(tmp_path / "crc.torch") is None
+
+
+def test_a_dino_checkpoint_with_its_args_loads_and_the_prefix_error_names_the_settings_that_fit(tmp_path):
+    """DINO's (and other repositories') checkpoints keep the training arguments as an
+    argparse.Namespace under ``args``: such a file was refused as unsafe. The teacher's names
+    (``backbone.conv1.weight``) match the model's only with both prefix settings; the error says which."""
+    import argparse
+    import os
+
+    torch.manual_seed(5)
+    tv = torchvision.models.resnet18()
+    teacher = {"backbone." + k: v for k, v in tv.state_dict().items() if not k.startswith("fc.")}
+    teacher["head.mlp.0.weight"] = torch.zeros(16, 512)
+    torch.save({"teacher": teacher, "student": {"module." + k: v for k, v in teacher.items()}, "epoch": 100,
+                "args": argparse.Namespace(arch="resnet18", out_dim=65536, lr=5e-4, local_crops_scale=(0.05, 0.4))},
+               str(tmp_path / "dino.pth"))
+    assert ck.load_checkpoint(tmp_path / "dino.pth")["args"].arch == "resnet18"
+    with pytest.raises(UserError) as e:
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "dino.pth", STATE_DICT_KEY_NAME="teacher"))
+    advice = ("config.MODEL.WEIGHTS_INIT.REMOVE_PREFIX=backbone. and config.MODEL.WEIGHTS_INIT.APPEND_PREFIX="
+              "trunk._feature_blocks. map 120 of them onto the model's names")
+    assert "none of its 121 weights match the model" in str(e.value) and str(e.value).endswith(advice), str(e.value)
+    with pytest.raises(UserError, match="REMOVE_PREFIX=module.backbone. and .*APPEND_PREFIX=trunk._feature_blocks. map 120"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "dino.pth", STATE_DICT_KEY_NAME="student"))
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "dino.pth", STATE_DICT_KEY_NAME="teacher",
+                                                           REMOVE_PREFIX="backbone.", APPEND_PREFIX="trunk._feature_blocks."))
+    assert torch.equal(model.state_dict()["trunk._feature_blocks.layer4.1.conv2.weight"], tv.state_dict()["layer4.1.conv2.weight"])
+    assert len(report["loaded"]) == 100  # BatchNorm's num_batches_tracked are skipped by default
+    # the Namespace's attributes go through the same restricted reader: a function in it is refused
+    torch.save({"teacher": teacher, "args": argparse.Namespace(run=os.system)}, str(tmp_path / "bad.pth"))
+    with pytest.raises(CheckpointError, match="loading it would run code"):
+        ck.load_checkpoint(tmp_path / "bad.pth")

@@ -1064,7 +1064,8 @@ def _refuse_non_finite(state: Dict[str, torch.Tensor], path: Path) -> None:
 def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> List[str]:
     """Those of the trunk weights ``names`` (not in ``model``) that sit in a numbered block of a
     container the model has, past its last block: ``layer1.2.conv1.weight`` where the model's
-    ``layer1`` holds blocks 0 and 1. Other weights the model lacks, such as a classifier the trunk
+    ``layer1`` holds blocks 0 and 1, or a RegNet's ``res4.block3-6`` where ``res4`` holds
+    ``block3-0`` to ``block3-5``. Other weights the model lacks, such as a classifier the trunk
     does not have (torchvision's ``fc``), are not such blocks."""
     modules = dict(model.named_modules())
     out = []
@@ -1075,10 +1076,18 @@ def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> 
         for i in range(len(path) - 1, 0, -1):  # the deepest module of the path that the model has
             parent = ".".join(path[:i])
             if parent in modules:
-                if path[i].isdigit() and any(c.isdigit() for c, _ in modules[parent].named_children()):
+                series = _block_series(path[i])
+                if series is not None and any(_block_series(c) == series for c, _ in modules[parent].named_children()):
                     out.append(name)
                 break
     return out
+
+
+def _block_series(name: str) -> Optional[str]:
+    """What a numbered block's name shares with its siblings: '' for ResNet's ``2``, ``block3-``
+    for RegNet's ``block3-6``; None for a name that is not a numbered block."""
+    m = re.fullmatch(r"(|.*-)\d+", name)
+    return m.group(1) if m else None
 
 
 def _prefix_advice(weights: Dict[str, Any], own: Dict[str, torch.Tensor]) -> str:

@@ -276,3 +276,21 @@ def test_bad_preset_name_exits_2_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
     assert "MODEL.TRUNK.REGNET.name='regnet_y_400'" in lines[0] and "regnet_y_400mf" in lines[0]
     assert not (tmp_path / "checkpoint.torch").exists()
+
+
+def test_a_deeper_regnets_file_stops_the_run_naming_its_extra_blocks(tmp_path: Path) -> None:
+    """A RegNet of the same widths and more blocks per stage (blocks named ``block3-6``, not
+    numbered as ResNet's ``layer1.2``) fits every weight the model has: it loaded, with the extra
+    blocks as "unexpected" at INFO, into a model that then trained as another network."""
+    deeper = build(dict(TINY, depth=9))  # the stages of depth 7, with more blocks and the same widths
+    torch.save({"model_state_dict": deeper.state_dict()}, str(tmp_path / "deeper.torch"))
+    cfg = compose(["config.MACHINE.DEVICE=cpu", "config.MODEL.TRUNK.NAME=regnet", "config.MODEL.HEAD.PARAMS=[]",
+                   f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'deeper.torch'}"], warn_unused=False)
+    cfg.MODEL.TRUNK.REGNET = AttrDict(dict(TINY, depth=7))
+    with pytest.raises(UserError, match=r"deeper.torch: \d+ of its weights belong to numbered blocks this model does not "
+                                        r"have \(e\.g\. trunk\._feature_blocks\.res\d\.block\d-\d+\..*deeper network"):
+        ck.init_model_from_weights(build(dict(TINY, depth=7)), cfg.MODEL)
+    same = build(dict(TINY, depth=7))  # the same depth's file loads
+    torch.save({"model_state_dict": same.state_dict()}, str(tmp_path / "same.torch"))
+    cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(tmp_path / "same.torch")
+    assert not ck.init_model_from_weights(build(dict(TINY, depth=7)), cfg.MODEL)["unexpected"]

@@ -1102,7 +1102,7 @@ def _prefix_advice(weights: Dict[str, Any], own: Dict[str, torch.Tensor]) -> str
         for i in range(len(parts) - 1):  # endings of two parts or more ("conv1.weight", "0.bn1.weight")
             endings.setdefault(".".join(parts[i:]), []).append(name)
     candidates: Dict[Tuple[str, str], int] = {}
-    for key in list(weights)[:64]:
+    for key in [k for k in weights if isinstance(k, str)][:64]:
         parts = key.split(".")
         for i in range(len(parts) - 1):
             ending = ".".join(parts[i:])
@@ -1114,7 +1114,7 @@ def _prefix_advice(weights: Dict[str, Any], own: Dict[str, torch.Tensor]) -> str
 
     def matched(pair: Tuple[str, str]) -> int:
         remove, append = pair
-        return sum(1 for k, v in weights.items() if k.startswith(remove) and isinstance(v, torch.Tensor)
+        return sum(1 for k, v in weights.items() if isinstance(k, str) and k.startswith(remove) and isinstance(v, torch.Tensor)
                    and getattr(own.get(append + k[len(remove):]), "shape", None) == v.shape)
 
     best = max(sorted(candidates, key=candidates.get, reverse=True)[:3], key=matched, default=None)

@@ -264,6 +264,7 @@ class RankGroup:
         self._signalled_at: Optional[float] = None
         self._interrupts: List[float] = []  # when each Ctrl-C reached the launcher
         self._killed: Set[int] = set()  # ranks the launcher itself SIGKILLed
+        self._seen_failed: List[int] = []  # the ranks seen ended with an error at the poll that set cause
         self._said_how_to_kill = False
         self._error_dir = ""
 
@@ -341,6 +342,7 @@ class RankGroup:
                 # to stop, a checkpoint write to finish, until a second Ctrl-C)
                 failed = [i for i, p in enumerate(self.procs) if p.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)]
                 if failed:
+                    self._seen_failed = failed
                     self.cause = self._first_failure(failed)
                     self._signalled_at = time.monotonic()
                     self.send(signal.SIGINT)  # unwinds python in the survivors; a rank blocked in C gets SIGKILL
@@ -370,7 +372,8 @@ class RankGroup:
         return True
 
     def _first_failure(self, failed: List[int]) -> int:
-        """Among ranks seen failed in the same poll, the one that failed first.
+        """Among ranks ``failed`` (seen failed in the same poll, or ended with an error file), the one
+        that failed first.
 
         A rank killed from outside (no error file, e.g. by the OOM killer) comes first: the
         others' errors (a peer closed the connection) are its consequence.
@@ -430,8 +433,10 @@ class RankGroup:
         if self.cause is not None:
             # decided again now that every rank has ended and written its error file: the rank that
             # failed first may still have been exiting (closing its connections, which made the
-            # others fail) when the poll saw another rank's exit
-            ended = [i for i, c in enumerate(codes) if c not in (0, PREEMPTED_EXIT_CODE) and i not in self._killed]
+            # others fail) when the poll saw another rank's exit. A rank without an error file (a
+            # signal) counts only if that poll saw it: one that died later is a consequence
+            ended = [i for i, c in enumerate(codes) if c not in (0, PREEMPTED_EXIT_CODE) and i not in self._killed
+                     and (i in self._seen_failed or self._read_error(i)[0] is not None)]
             self.cause = self._first_failure(ended) if self.cause in ended else self.cause
         index = self.cause if self.cause is not None else next(i for i, c in enumerate(codes) if c != 0)
         rank = self.node_id * self.nproc + index

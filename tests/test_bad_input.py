@@ -781,6 +781,17 @@ def test_a_home_folder_of_an_unknown_user_is_a_config_error_naming_the_key(overr
     assert str(e.value).startswith(f"{key}=") and "'~nosuchuser0' names the home folder of user 'nosuchuser0'" in str(e.value)
 
 
+def test_an_unknown_users_home_in_a_split_an_extraction_leaves_out_is_not_checked():
+    from ssl_engine.config import compose
+
+    cfg = compose(["config=quick/simclr_synthetic", "engine_name=extract_features", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
+                   'config.DATA.TEST.DATA_PATHS=["~nosuchuser0/x"]'], warn_unused=False)
+    assert cfg.DATA.TEST.DATA_PATHS == ["~nosuchuser0/x"]
+    with pytest.raises(ConfigError, match=r"config.DATA.TEST.DATA_PATHS\[0\]=~nosuchuser0/x"):
+        compose(["config=quick/simclr_synthetic", "engine_name=extract_features", "config.EXTRACT_FEATURES.SPLITS=[TEST]",
+                 'config.DATA.TEST.DATA_PATHS=["~nosuchuser0/x"]'], warn_unused=False)
+
+
 def test_a_user_module_in_an_unknown_users_home_is_one_line(tmp_path):
     r = run_tool(["config=quick/simclr_synthetic", f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
                   'config.USER_MODULES=["~nosuchuser0/parts.py"]'])

@@ -657,3 +657,9 @@ def test_a_dino_checkpoint_with_its_args_loads_and_the_prefix_error_names_the_se
     torch.save({"teacher": teacher, "args": argparse.Namespace(run=os.system)}, str(tmp_path / "bad.pth"))
     with pytest.raises(CheckpointError, match="loading it would run code"):
         ck.load_checkpoint(tmp_path / "bad.pth")
+
+
+def test_a_file_whose_weights_are_not_named_by_strings_is_the_no_match_error(tmp_path):
+    torch.save({0: torch.ones(3), 1: torch.ones(2)}, str(tmp_path / "ints.pth"))
+    with pytest.raises(UserError, match="none of its 2 weights match the model.*set REMOVE_PREFIX / APPEND_PREFIX"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "ints.pth", STATE_DICT_KEY_NAME=""))

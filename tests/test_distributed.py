@@ -911,3 +911,21 @@ def test_the_rank_that_failed_first_is_reported_whichever_exit_the_launcher_saw_
     group.cause = seen_first
     with pytest.raises(UserError, match=r"^rank 0: config.DATA.TRAIN: image b/fake.png cannot be read$"):
         group._report()
+
+
+def test_a_rank_that_died_of_a_signal_after_the_first_failure_does_not_take_its_blame(tmp_path: Path) -> None:
+    """Rank 0's user error was seen first; rank 1 then died of a signal (no error file, e.g. an
+    abort in a collective) before the launcher stopped it: rank 0's line is still the job's."""
+    from ssl_engine.errors import UserError
+    from ssl_engine.launch import RankGroup
+
+    group = RankGroup(compose(["config=quick/simclr_synthetic", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]))
+    group._error_dir = str(tmp_path)
+    (tmp_path / "rank0.err").write_text("100.0\n2\nconfig.DATA.TRAIN: image b/fake.png cannot be read")
+    group.procs = [_EndedRank(2), _EndedRank(-signal.SIGABRT)]
+    group.cause, group._seen_failed = 0, [0]
+    with pytest.raises(UserError, match=r"^rank 0: config.DATA.TRAIN: image b/fake.png cannot be read$"):
+        group._report()
+    group._seen_failed = [0, 1]  # seen ended together: a rank killed from outside comes first, as before
+    group.cause = 1
+    assert group._report() == 1

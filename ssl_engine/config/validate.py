@@ -423,6 +423,14 @@ def check_no_urls(cfg: Dict[str, Any]) -> None:
                         raise url_error(f"config.DATA.{split}.{key}[{i}]", value)
 
 
+def unextracted_splits(cfg: Dict[str, Any]) -> List[str]:
+    """The DATA splits an extract_features run leaves out (EXTRACT_FEATURES.SPLITS); [] otherwise."""
+    if cfg.get("engine_name") != "extract_features":
+        return []
+    asked = {str(s).upper() for s in cfg["EXTRACT_FEATURES"]["SPLITS"]}
+    return [s for s in ("TRAIN", "TEST") if asked and s not in asked]
+
+
 def without_unextracted_splits(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """For an extract_features run, ``cfg`` with the DATA splits that EXTRACT_FEATURES.SPLITS
     leaves out reset to their defaults (no DATA_SOURCES); ``cfg`` itself otherwise.
@@ -432,10 +440,7 @@ def without_unextracted_splits(cfg: Dict[str, Any]) -> Dict[str, Any]:
     config whose TEST data is elsewhere. An empty SPLITS asks for every split with data. Works
     on plain dicts and AttrDicts alike; ``cfg`` is never modified.
     """
-    if cfg.get("engine_name") != "extract_features":
-        return cfg
-    asked = {str(s).upper() for s in cfg["EXTRACT_FEATURES"]["SPLITS"]}
-    left_out = [s for s in ("TRAIN", "TEST") if asked and s not in asked]
+    left_out = unextracted_splits(cfg)
     if not left_out:
         return cfg
     from ssl_engine.config.compose import load_defaults
@@ -697,11 +702,16 @@ def expand_home(cfg: Dict[str, Any]) -> None:
     """Expand a leading ``~`` in the keys that name files and folders (_PATH_KEYS, DATA_PATHS,
     LABEL_PATHS), once, when the config is composed: every part of the run, and every rank on
     any node, then reads the same folder, and none makes a folder named ``~`` where it runs."""
-    def expanded(value: Any, key: str) -> Any:
+    def expanded(value: Any, key: str, read: bool) -> Any:
         if isinstance(value, str) and value.startswith("~"):
-            return str(expand_user(value, key))
-        return [expanded(v, f"{key}[{i}]") for i, v in enumerate(value)] if isinstance(value, list) else value
+            # an unknown user's ~name is an error where the run reads the path; a split that an
+            # extraction leaves out is not checked (see without_unextracted_splits)
+            return str(expand_user(value, key)) if read else os.path.expanduser(value)
+        if isinstance(value, list):
+            return [expanded(v, f"{key}[{i}]", read) for i, v in enumerate(value)]
+        return value
 
+    unread = unextracted_splits(cfg)
     places = [tuple(dotted.split(".")) for dotted, _ in _PATH_KEYS]
     places += [("DATA", split, key) for split in ("TRAIN", "TEST") for key in ("DATA_PATHS", "LABEL_PATHS")]
     for keys in places:
@@ -709,7 +719,8 @@ def expand_home(cfg: Dict[str, Any]) -> None:
         for key in keys[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict) and keys[-1] in node:
-            node[keys[-1]] = expanded(node[keys[-1]], "config." + ".".join(keys))
+            read = not (keys[0] == "DATA" and keys[1] in unread)
+            node[keys[-1]] = expanded(node[keys[-1]], "config." + ".".join(keys), read)
 
 
 def warn_unread_dataset_names(cfg: Dict[str, Any], default_data: Dict[str, Any]) -> None:

@@ -335,9 +335,10 @@ def _check_sample_count(folder: Path, split: str, layer: str, rows: int, status:
 
 
 def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureShard],
-                status: Optional[Dict[str, Any]]) -> Optional[np.ndarray]:
+                status: Optional[Dict[str, Any]]) -> Tuple[Optional[np.ndarray], np.ndarray]:
     """Which rows of ``shards`` (taken in order, rank then chunk) to read: the first row of each
-    sample index, as a boolean mask over all their rows; None when no index repeats.
+    sample index, as a boolean mask over all their rows (None when no index repeats), and the
+    sorted indices of those rows.
 
     This engine's extraction writes every index once, so in its shards (``status`` is their
     status file) a repeat means shards of two extractions are mixed, or one was changed. VISSL's
@@ -352,7 +353,7 @@ def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureSh
     unique, first = np.unique(inds, return_index=True)
     repeats = len(inds) - len(unique)
     if not repeats:
-        return None
+        return None, unique
     keep = np.zeros(len(inds), dtype=bool)
     keep[first] = True
     repeated = inds[~keep]
@@ -379,7 +380,7 @@ def _first_rows(folder: Path, split: str, layer: str, shards: Sequence[FeatureSh
             f"{where}: sample index {int(repeated[differs[0]])} appears twice with different targets; shards of two "
             f"extractions are mixed: extract again into an empty folder"
         )
-    return keep
+    return keep, unique
 
 
 def _kept(shard: FeatureShard, keep: Optional[np.ndarray]) -> FeatureShard:
@@ -413,14 +414,12 @@ def _check_split(folder: Path, split: str, layer: str, shards: Sequence[FeatureS
                 f"{tuple(s.targets.shape[1:])} per sample, {shards[0].name} has "
                 f"{tuple(feat_shape)} and {tuple(target_shape)}; extract again into an empty folder"
             )
-    keep = _first_rows(folder, split, layer, shards, status)
+    keep, sorted_inds = _first_rows(folder, split, layer, shards, status)
     if keep is None:
         masks: List[Optional[np.ndarray]] = [None] * len(shards)
     else:
         ends = np.cumsum([len(s.inds) for s in shards])
         masks = [keep[end - len(s.inds):end] for s, end in zip(shards, ends)]
-    sorted_inds = np.sort(np.concatenate([np.asarray(s.inds if m is None else s.inds[m], dtype=np.int64)
-                                          for s, m in zip(shards, masks)]))
     n = len(sorted_inds)
     status = status or {}
     for s in shards:

@@ -25,6 +25,20 @@ def accepted_params(cls: Any, skip: int = 0) -> List[str]:
     return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
+def load_builtin_parts() -> None:
+    """Import every module that registers a built-in part (imports torch; once per process)."""
+    import ssl_engine.data  # noqa: F401
+    import ssl_engine.engines.extract_features  # noqa: F401
+    import ssl_engine.engines.train  # noqa: F401
+    import ssl_engine.hooks  # noqa: F401
+    import ssl_engine.losses  # noqa: F401
+    import ssl_engine.meters  # noqa: F401
+    import ssl_engine.models  # noqa: F401
+    import ssl_engine.optim  # noqa: F401
+    import ssl_engine.tasks  # noqa: F401
+    import ssl_engine.train_steps  # noqa: F401
+
+
 class Registry:
     """A name -> object table for one kind of part (trunk, loss, hook, ...).
 
@@ -58,7 +72,12 @@ class Registry:
 
     def get(self, name: str, key: Optional[str] = None) -> Any:
         """The object registered as ``name``; an unknown name is a UserError listing the known ones
-        and naming the config key (``key`` when the caller knows the exact one, e.g. with the split)."""
+        and naming the config key (``key`` when the caller knows the exact one, e.g. with the split).
+
+        A miss first imports the built-in parts: code that builds a task or trainer itself (not
+        through the tool, which imports them at start) must find 'standard_train_step' too."""
+        if name not in self._objects:
+            load_builtin_parts()
         if name not in self._objects:
             key = key or self.config_key
             where = f" (config key{'s' if ', ' in key else ''} {key})" if key else ""

@@ -1,6 +1,7 @@
 """SelfSupervisionTrainer: the phase loop. Everything optional happens in hooks."""
 
 import logging
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ssl_engine import distributed as du
@@ -53,6 +54,7 @@ class SelfSupervisionTrainer:
         from ssl_engine.resume_state import from_vissl, written_by_vissl
 
         if du.is_primary():
+            Path(self.checkpoint_folder).mkdir(parents=True, exist_ok=True)  # the tool's logging made it; Python use may not
             remove_stale_temp_files(self.checkpoint_folder)
         task = self.task
         task.checkpoint_folder = self.checkpoint_folder

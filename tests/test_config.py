@@ -727,6 +727,7 @@ def test_the_tool_pauses_the_garbage_collector_while_it_imports():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
     proc = _run_without_torch("""
         import gc, sys
+        frozen_at_start = gc.get_freeze_count()  # Python 3.12 starts with a few hundred of its own
         from ssl_engine.cli import run_command
         starts = []
         gc.callbacks.append(lambda phase, info: starts.append(info['generation']) if phase == 'start' else None)
@@ -735,7 +736,7 @@ def test_the_tool_pauses_the_garbage_collector_while_it_imports():
             seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count(), collections=len(starts))
             return 0
         assert run_command(['config=quick/simclr_synthetic'], body) == 0
-        assert seen['enabled'] and seen['frozen'] == 0 and seen['collections'] > 0, seen
+        assert seen['enabled'] and seen['frozen'] == frozen_at_start and seen['collections'] > 0, seen
         gc.disable()
         assert run_command(['config=quick/simclr_synthetic'], body, tool_process=True) == 0
         assert not seen['enabled'] and not gc.isenabled(), 'a collector that was off stays off'

@@ -2,13 +2,15 @@
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import run_tool
+from conftest import REPO, run_tool, tool_env
 from ssl_engine.config import compose
 from ssl_engine.errors import NonFiniteLossError, UserError
 from ssl_engine.registry import Registry
@@ -52,6 +54,28 @@ def tiny_task(tmp_path, *overrides):
     task.prepare()
     task.set_hooks([])
     return task
+
+
+def test_a_trainer_built_in_python_finds_the_built_in_parts_without_the_tool(tmp_path):
+    """Python API use (README, Your own parts): a fresh process that composes a config and runs
+    SelfSupervisionTrainer itself has imported no module that registers 'standard_train_step'
+    (the registry must), nor made the run folder (the trainer must)."""
+    script = (
+        "import json, sys\n"
+        "from ssl_engine.config import compose\n"
+        "from ssl_engine.hooks import default_hooks\n"
+        "from ssl_engine.trainer import SelfSupervisionTrainer\n"
+        "cfg = compose(json.loads(sys.argv[1]))\n"
+        "task = SelfSupervisionTrainer(cfg, hooks=default_hooks(cfg)).train()\n"
+        "print('iteration', task.iteration)\n"
+    )
+    folder = tmp_path / "new" / "run"  # not there yet: the tool's logging makes it, so must the trainer
+    args = json.dumps(TINY + [f"config.CHECKPOINT.DIR={folder}"])
+    r = subprocess.run([sys.executable, "-c", script, args], cwd=str(REPO), env=tool_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "iteration 8" in r.stdout  # 2 epochs of 32 samples in batches of 8
+    assert {"metrics.json", "model_final_checkpoint_phase1.torch"} <= {p.name for p in folder.iterdir()}
 
 
 def run_phase(task):

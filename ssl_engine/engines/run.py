@@ -10,24 +10,10 @@ from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.distributed import RankInfo
 from ssl_engine.errors import file_system_error
 from ssl_engine.logger import setup_logging
-from ssl_engine.registry import ENGINES
+from ssl_engine.registry import ENGINES, load_builtin_parts
 from ssl_engine.user_modules import import_user_modules
 
 log = logging.getLogger(__name__)
-
-
-def load_builtin_parts() -> None:
-    """Import every module that registers a built-in part."""
-    import ssl_engine.data  # noqa: F401
-    import ssl_engine.engines.extract_features  # noqa: F401
-    import ssl_engine.engines.train  # noqa: F401
-    import ssl_engine.hooks  # noqa: F401
-    import ssl_engine.losses  # noqa: F401
-    import ssl_engine.meters  # noqa: F401
-    import ssl_engine.models  # noqa: F401
-    import ssl_engine.optim  # noqa: F401
-    import ssl_engine.tasks  # noqa: F401
-    import ssl_engine.train_steps  # noqa: F401
 
 
 def run_engine(cfg: AttrDict, info: RankInfo) -> Any:

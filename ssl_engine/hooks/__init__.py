@@ -47,7 +47,7 @@ def custom_hooks(cfg: AttrDict) -> List[Any]:
 
 
 def default_hooks(cfg: AttrDict, custom: bool = True) -> List[Any]:
-    """The hooks a training run uses, from the config (docs/hooks.md lists them with their keys).
+    """The hooks a training run uses, from the config (README.md's Hooks section lists them with their keys).
 
     Building them has no side effect (files are opened at the run's start), so the tool builds
     them once before launch to check their settings (``custom=False``: HOOKS.CUSTOM hooks are

@@ -1296,6 +1296,8 @@ def test_a_leading_tilde_is_the_home_folder_in_every_path_key(tmp_path):
     assert list(cwd.iterdir()) == []
     assert compose([f"config={cfg}", "config.MODEL.WEIGHTS_INIT.PARAMS_FILE='~/w.torch'"],
                    warn_unused=False).MODEL.WEIGHTS_INIT.PARAMS_FILE == str(Path.home() / "w.torch")
+    moved = compose([f"config={cfg}", "config.DATA.TRAIN.NEW_IMG_PATH_PREFIX='~/disk2/'"], warn_unused=False)
+    assert moved.DATA.TRAIN.NEW_IMG_PATH_PREFIX == str(Path.home() / "disk2") + "/"  # the filelist's paths' new prefix
     bad = subprocess.run([sys.executable, TOOL, f"config={cfg}", "config.CHECKPOINT.DIR=~/runs/b"], cwd=str(cwd),
                          env=env, capture_output=True, text=True, timeout=300)
     err = bad.stderr.strip().splitlines()

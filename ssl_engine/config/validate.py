@@ -700,20 +700,23 @@ def warn_unread_tensorboard_folder(cfg: Dict[str, Any], default_tb: Dict[str, An
 
 def expand_home(cfg: Dict[str, Any]) -> None:
     """Expand a leading ``~`` in the keys that name files and folders (_PATH_KEYS, DATA_PATHS,
-    LABEL_PATHS), once, when the config is composed: every part of the run, and every rank on
+    LABEL_PATHS, NEW_IMG_PATH_PREFIX), once, when the config is composed: every part of the run, and every rank on
     any node, then reads the same folder, and none makes a folder named ``~`` where it runs."""
     def expanded(value: Any, key: str, read: bool) -> Any:
         if isinstance(value, str) and value.startswith("~"):
             # an unknown user's ~name is an error where the run reads the path; a split that an
             # extraction leaves out is not checked (see without_unextracted_splits)
-            return str(expand_user(value, key)) if read else os.path.expanduser(value)
+            if read:
+                expand_user(value, key)  # the check; the text keeps its form (a prefix's trailing '/')
+            return os.path.expanduser(value)
         if isinstance(value, list):
             return [expanded(v, f"{key}[{i}]", read) for i, v in enumerate(value)]
         return value
 
     unread = unextracted_splits(cfg)
     places = [tuple(dotted.split(".")) for dotted, _ in _PATH_KEYS]
-    places += [("DATA", split, key) for split in ("TRAIN", "TEST") for key in ("DATA_PATHS", "LABEL_PATHS")]
+    places += [("DATA", split, key) for split in ("TRAIN", "TEST")
+               for key in ("DATA_PATHS", "LABEL_PATHS", "NEW_IMG_PATH_PREFIX")]
     for keys in places:
         node = cfg
         for key in keys[:-1]:

@@ -1226,12 +1226,16 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
             f"config.MODEL.WEIGHTS_INIT.SKIP_LAYERS to leave them out"
         )
     if not loaded:
+        # the advice maps onto names this run would load: not SKIP_LAYERS, not heads it leaves out
+        heads_load = loads_head_weights(model_cfg)
+        loadable = {k: v for k, v in own.items()
+                    if not any(s in k for s in skip) and (heads_load or not k.startswith("heads."))}
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: none of its {len(renamed)} weights match the model "
             f"(first file key {next(iter(renamed), '-')!r}, first model key {next(iter(own), '-')!r}); "
             + ("the file's classy_state_dict is mapped by its trunk/heads layout (REMOVE_PREFIX / APPEND_PREFIX do "
                "not apply to it); set STATE_DICT_KEY_NAME to read another key of the file"
-               if layout_mapped else _prefix_advice(weights, own))
+               if layout_mapped else _prefix_advice(weights, loadable))
         )
     _refuse_non_finite(new_state, path)
     model.load_state_dict(new_state, strict=False)

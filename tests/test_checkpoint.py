@@ -644,10 +644,15 @@ def test_a_dino_checkpoint_with_its_args_loads_and_the_prefix_error_names_the_se
     with pytest.raises(UserError) as e:
         ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "dino.pth", STATE_DICT_KEY_NAME="teacher"))
     advice = ("config.MODEL.WEIGHTS_INIT.REMOVE_PREFIX=backbone. and config.MODEL.WEIGHTS_INIT.APPEND_PREFIX="
-              "trunk._feature_blocks. map 120 of them onto the model's names")
+              "trunk._feature_blocks. map 100 of them onto the model's names")
     assert "none of its 121 weights match the model" in str(e.value) and str(e.value).endswith(advice), str(e.value)
-    with pytest.raises(UserError, match="REMOVE_PREFIX=module.backbone. and .*APPEND_PREFIX=trunk._feature_blocks. map 120"):
+    with pytest.raises(UserError, match="REMOVE_PREFIX=module.backbone. and .*APPEND_PREFIX=trunk._feature_blocks. map 100"):
         ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "dino.pth", STATE_DICT_KEY_NAME="student"))
+    # the count is of weights the run would load: those SKIP_LAYERS names are left out (its default, BatchNorm's
+    # num_batches_tracked, leaves 100 of the 120; SKIP_LAYERS=[layer4] instead leaves 90)
+    with pytest.raises(UserError, match="APPEND_PREFIX=trunk._feature_blocks. map 90 of them"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "dino.pth", STATE_DICT_KEY_NAME="teacher",
+                                                                 SKIP_LAYERS=["layer4"]))
     model = resnet18_model()
     report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "dino.pth", STATE_DICT_KEY_NAME="teacher",
                                                            REMOVE_PREFIX="backbone.", APPEND_PREFIX="trunk._feature_blocks."))

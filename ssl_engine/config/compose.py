@@ -483,8 +483,7 @@ def _refuse_folder(value: str, name: str) -> None:
         where = ", ".join(map(str, in_search_path))
         prefix = "" if name == "." else f"{name}/"
         names = sorted({f"{prefix}{p.relative_to(f).with_suffix('')}" for f in in_search_path for p in f.rglob("*.yaml")})
-    elif expand_user(value, "config").is_dir():  # named as a path (config=/any/path/file.yaml): its own files only
-        folder = expand_user(value, "config")
+    elif (folder := expand_user(value, "config")).is_dir():  # named as a path (config=/any/path/file.yaml): its own files only
         where = str(folder)
         names = sorted(f"{value.rstrip('/')}/{p.name}" for p in folder.iterdir()
                        if p.suffix in (".yaml", ".yml") and p.is_file())

@@ -243,15 +243,16 @@ class SelfSupervisionTask(ClassyTask):
         """MODEL.WEIGHTS_INIT for a new run (never called when resuming)."""
         from ssl_engine.checkpoint import heads_not_set, init_model_from_weights
 
+        trains = any(p["train"] for p in self.phases)
         if not self.config.MODEL.WEIGHTS_INIT.PARAMS_FILE:
-            if getattr(self.base_model, "trunk_frozen", False) and any(p["train"] for p in self.phases) and du.is_primary():
+            if getattr(self.base_model, "trunk_frozen", False) and trains and du.is_primary():
                 # a linear evaluation of a random network: valid as a baseline, a mistake otherwise
                 log.warning("the trunk is frozen (config.MODEL.FEATURE_EVAL_SETTINGS) but config.MODEL.WEIGHTS_INIT."
                             "PARAMS_FILE is empty: the run evaluates a randomly initialised trunk; set it to the "
                             "pretrained checkpoint to evaluate that")
             return
         # heads that no phase trains (frozen, or a test-only run) must not be partly random
-        untrained = bool(getattr(self.base_model, "heads_frozen", False)) or not any(p["train"] for p in self.phases)
+        untrained = bool(getattr(self.base_model, "heads_frozen", False)) or not trains
         why = heads_not_set(init_model_from_weights(self.base_model, self.config.MODEL, heads_used_untrained=untrained),
                             self.config.MODEL)
         heads = getattr(self.base_model, "heads", None)

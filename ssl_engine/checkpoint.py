@@ -1064,9 +1064,11 @@ def _refuse_non_finite(state: Dict[str, torch.Tensor], path: Path) -> None:
 def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> List[str]:
     """Those of the trunk weights ``names`` (not in ``model``) that sit in a numbered block of a
     container the model has, past its last block: ``layer1.2.conv1.weight`` where the model's
-    ``layer1`` holds blocks 0 and 1, or a RegNet's ``res4.block3-6`` where ``res4`` holds
-    ``block3-0`` to ``block3-5``. Other weights the model lacks, such as a classifier the trunk
-    does not have (torchvision's ``fc``), are not such blocks."""
+    ``layer1`` holds blocks 0 and 1, a RegNet's ``res4.block3-6`` where ``res4`` holds
+    ``block3-0`` to ``block3-5``, or a whole stage past the model's last (``res5`` next to
+    ``res2`` to ``res4``, ``layer5`` next to ``layer1`` to ``layer4``). Other weights the model
+    lacks, such as a classifier the trunk does not have (torchvision's ``fc``), are not such
+    blocks."""
     modules = dict(model.named_modules())
     out = []
     for name in names:
@@ -1076,18 +1078,32 @@ def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> 
         for i in range(len(path) - 1, 0, -1):  # the deepest module of the path that the model has
             parent = ".".join(path[:i])
             if parent in modules:
-                series = _block_series(path[i])
-                if series is not None and any(_block_series(c) == series for c, _ in modules[parent].named_children()):
+                if _beyond_siblings(path[i], [c for c, _ in modules[parent].named_children()]):
                     out.append(name)
                 break
     return out
 
 
-def _block_series(name: str) -> Optional[str]:
-    """What a numbered block's name shares with its siblings: '' for ResNet's ``2``, ``block3-``
-    for RegNet's ``block3-6``; None for a name that is not a numbered block."""
-    m = re.fullmatch(r"(|.*-)\d+", name)
-    return m.group(1) if m else None
+def _beyond_siblings(name: str, siblings: Sequence[str]) -> bool:
+    """Whether module ``name`` is a numbered block or stage that continues ``siblings``'s series:
+    a block (ResNet's ``2``, RegNet's ``block3-6``) when one sibling is of its series; a stage
+    (``res5``, ``layer5``) when two or more are and its number is past theirs (a stem's single
+    ``conv1`` is no series)."""
+    m = _numbered(name)
+    if m is None:
+        return False
+    series, number = m
+    numbers = [n for s, n in filter(None, map(_numbered, siblings)) if s == series]
+    if series == "" or series.endswith("-"):
+        return bool(numbers)
+    return len(numbers) >= 2 and number > max(numbers)
+
+
+def _numbered(name: str) -> Optional[Tuple[str, int]]:
+    """(series, number) of a name that ends in a number: ('', 2) for ResNet's block ``2``,
+    ('block3-', 6) for RegNet's ``block3-6``, ('res', 5) for a stage ``res5``; None otherwise."""
+    m = re.fullmatch(r"(|.*-|[A-Za-z_]+)(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _prefix_advice(weights: Dict[str, Any], own: Dict[str, torch.Tensor]) -> str:

@@ -294,3 +294,27 @@ def test_a_deeper_regnets_file_stops_the_run_naming_its_extra_blocks(tmp_path: P
     torch.save({"model_state_dict": same.state_dict()}, str(tmp_path / "same.torch"))
     cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(tmp_path / "same.torch")
     assert not ck.init_model_from_weights(build(dict(TINY, depth=7)), cfg.MODEL)["unexpected"]
+
+
+def test_a_regnet_file_with_a_whole_extra_stage_stops_the_run(tmp_path: Path) -> None:
+    """A file with a stage past the model's last (``res5`` next to ``res2``-``res4``, as a deeper
+    RegNet of other widths has) fits every weight the model has; the extra stage was only
+    "unexpected" at INFO. A stem's single ``conv1`` is no series: a file's ``conv2`` is not a stage."""
+    model = build(dict(TINY, depth=7))
+    state = model.state_dict()
+    last = "trunk._feature_blocks.res4."
+    extra = {"trunk._feature_blocks.res5." + k[len(last):]: v for k, v in state.items() if k.startswith(last)}
+    torch.save({"model_state_dict": {**state, **extra}}, str(tmp_path / "stage.torch"))
+    cfg = compose(["config.MACHINE.DEVICE=cpu", "config.MODEL.TRUNK.NAME=regnet", "config.MODEL.HEAD.PARAMS=[]",
+                   f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'stage.torch'}"], warn_unused=False)
+    cfg.MODEL.TRUNK.REGNET = AttrDict(dict(TINY, depth=7))
+    counted = [k for k in extra if not k.endswith("num_batches_tracked")]  # skipped by default (SKIP_LAYERS)
+    with pytest.raises(UserError, match=rf"stage.torch: {len(counted)} of its weights belong to numbered blocks this model "
+                                        r"does not have \(e\.g\. trunk\._feature_blocks\.res5\..*deeper network"):
+        ck.init_model_from_weights(build(dict(TINY, depth=7)), cfg.MODEL)
+    stem = "trunk._feature_blocks.conv1."
+    other = {"trunk._feature_blocks.conv2." + k[len(stem):]: v for k, v in state.items() if k.startswith(stem)}
+    torch.save({"model_state_dict": {**state, **other}}, str(tmp_path / "stem.torch"))
+    cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(tmp_path / "stem.torch")
+    report = ck.init_model_from_weights(build(dict(TINY, depth=7)), cfg.MODEL)
+    assert sorted(report["unexpected"]) == sorted(k for k in other if not k.endswith("num_batches_tracked"))

@@ -34,10 +34,29 @@ def run_tool(args: List[str], env: Optional[Dict[str, str]] = None, timeout: flo
     )
 
 
+# the tests that take longest (30-140 s each on 2 cores), run first: under pytest-xdist a long test
+# that starts last keeps one worker busy while the others have nothing left to do. Only tests
+# without a module-scoped fixture that runs the tool: taken out of their module's order, such a
+# fixture would be built once more for them
+_LONGEST = (
+    "test_engine.py::test_supervised_digits_reaches_90_percent",
+    "test_slurm.py::test_local_jobs_complete_and_a_preempted_job_resumes_exactly",
+    "test_distributed.py::test_ranks_and_workers_run_under_a_temp_dir_too_long_for_sockets",
+    "test_resume.py::test_a_preemption_signal_to_the_process_group_checkpoints_with_forkserver_ranks",
+    "test_features.py::test_knn_compares_class_folders_by_name_when_the_test_folder_lacks_a_class",
+    "test_checkpoint.py::test_a_named_checkpoint_whose_bytes_changed_is_one_line_and_never_loaded",
+    "test_engine.py::test_vissl_simclr_config_runs_on_two_cpu_processes",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need CUDA: skipped with a reason where there is none."""
+    """The longest tests first (_LONGEST); tests marked gpu need CUDA: skipped with a reason
+    where there is none."""
     import torch
 
+    rank = {name: i for i, name in enumerate(_LONGEST)}
+    first = lambda item: rank.get(item.nodeid.split("/")[-1].split("[")[0], len(rank))  # noqa: E731
+    items.sort(key=first)  # stable: the others keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")

@@ -305,7 +305,8 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[st
 def test_two_ranks_resumed_mid_phase_log_what_an_uninterrupted_run_logs(
     tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]
 ) -> None:
-    """Each rank's meter counts and loss sum of the interrupted phase come back to that rank."""
+    """Each rank's meter counts and loss sum of the interrupted phase come back to that rank; a
+    rerun of the finished folder, and of one whose final checkpoint was damaged, ends in step."""
     folder = tmp_path / "run"
     args = SUPERVISED + per_rank(2) + [f"config.CHECKPOINT.DIR={folder}", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=3",
                                        "config.CHECKPOINT.ASYNC_WRITE=false"]
@@ -319,6 +320,16 @@ def test_two_ranks_resumed_mid_phase_log_what_an_uninterrupted_run_logs(
     (folder / "metrics.json").write_text("".join(l + "\n" for l in (folder / "metrics.json").read_text().splitlines()[:2]))
     ok(run_tool(args))
     assert_same_metrics(read_metrics(folder), one_rank_metrics)
+    # the folder now holds a finished run: rank 0 judges its final checkpoint, both ranks act on it
+    again = run_tool(args)
+    ok(again)
+    assert "has finished (model_final_checkpoint_phase1.torch exists)" in again.stdout + again.stderr
+    final = folder / "model_final_checkpoint_phase1.torch"
+    final.write_bytes(final.read_bytes()[:1000])  # damaged after the run: both ranks go on from model_phase0
+    again = run_tool(args)
+    ok(again)
+    assert "model_final_checkpoint_phase1.torch cannot be used" in again.stdout + again.stderr
+    assert "has finished" not in again.stdout + again.stderr and torch.load(str(final), weights_only=False)
 
 
 def test_torchrun_equals_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:

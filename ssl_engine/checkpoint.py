@@ -1073,8 +1073,8 @@ def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> 
     out = []
     for name in names:
         path = name.split(".")[:-1]
-        if not name.startswith("trunk.") or len(path) < 2:
-            continue
+        if not name.startswith("trunk.") or len(path) < 2 or ".".join(path) in modules:
+            continue  # a weight of a module the model has (a bias its conv lacks) is no missing block
         for i in range(len(path) - 1, 0, -1):  # the deepest module of the path that the model has
             parent = ".".join(path[:i])
             if parent in modules:

@@ -500,6 +500,14 @@ def test_a_deeper_networks_file_is_refused_not_loaded_as_its_first_blocks(tmp_pa
                                     "layer3.3.", "layer3.4.", "layer3.5.", "layer4.2."]
     report = ck.init_model_from_weights(resnet18_model(), cfg)
     assert report["unexpected"] == ["trunk._feature_blocks.fc.weight", "trunk._feature_blocks.fc.bias"]
+    # a weight of a module the model has (a bias its convolution lacks) is no missing block either
+    r18 = torchvision.models.resnet18().state_dict()
+    r18["layer2.0.downsample.0.bias"] = torch.zeros(128)
+    torch.save(r18, str(tmp_path / "r18_bias.pth"))
+    report = ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "r18_bias.pth",
+                                                                      APPEND_PREFIX="trunk._feature_blocks."))
+    assert report["unexpected"] == ["trunk._feature_blocks.fc.weight", "trunk._feature_blocks.fc.bias",
+                                    "trunk._feature_blocks.layer2.0.downsample.0.bias"]
 
 
 def test_a_head_of_another_shape_is_an_error_where_the_heads_are_not_trained(tmp_path):

@@ -320,10 +320,19 @@ def test_two_ranks_resumed_mid_phase_log_what_an_uninterrupted_run_logs(
     (folder / "metrics.json").write_text("".join(l + "\n" for l in (folder / "metrics.json").read_text().splitlines()[:2]))
     ok(run_tool(args))
     assert_same_metrics(read_metrics(folder), one_rank_metrics)
-    # the folder now holds a finished run: rank 0 judges its final checkpoint, both ranks act on it
-    again = run_tool(args)
+    # the folder now holds a finished run: rank 0 judges its final checkpoint and both ranks act on
+    # its answer, even where rank 1 would judge the file otherwise (it trained on, rank 0 did not)
+    apart = tmp_path / "apart.py"
+    apart.write_text(
+        "import torch.distributed as dist\n"
+        "import ssl_engine.engines.train as train\n"
+        "judge = train.checkpoint_problem\n"
+        "train.checkpoint_problem = lambda path: ('judged apart', None) if dist.get_rank() else judge(path)\n"
+    )
+    again = run_tool(args + [f"config.USER_MODULES=[{apart}]"])
     ok(again)
     assert "has finished (model_final_checkpoint_phase1.torch exists)" in again.stdout + again.stderr
+    assert "judged apart" not in again.stdout + again.stderr
     final = folder / "model_final_checkpoint_phase1.torch"
     final.write_bytes(final.read_bytes()[:1000])  # damaged after the run: both ranks go on from model_phase0
     again = run_tool(args)

@@ -63,9 +63,11 @@ def test_a_trainer_built_in_python_finds_the_built_in_parts_without_the_tool(tmp
     script = (
         "import json, sys\n"
         "from ssl_engine.config import compose\n"
+        "from ssl_engine.config.validate import check_registered_names\n"
+        "cfg = compose(json.loads(sys.argv[1]))\n"
+        "check_registered_names(cfg)  # the tool's check of the config's names, before any part is imported\n"
         "from ssl_engine.hooks import default_hooks\n"
         "from ssl_engine.trainer import SelfSupervisionTrainer\n"
-        "cfg = compose(json.loads(sys.argv[1]))\n"
         "task = SelfSupervisionTrainer(cfg, hooks=default_hooks(cfg)).train()\n"
         "print('iteration', task.iteration)\n"
     )

@@ -756,6 +756,9 @@ def check_registered_names(cfg: AttrDict) -> None:
     lacks names several parts (head, collator, transforms), and one per run would send the user
     round the loop once for each.
     """
+    from ssl_engine.registry import load_builtin_parts
+
+    load_builtin_parts()  # a caller in Python (not the tool) may not have imported them yet
     unknown: List[Tuple[Any, str, str]] = []  # (registry, config key, name)
 
     def _lookup(registry: Any, key: str, name: Any) -> None:

@@ -131,15 +131,24 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
     # unless CHECKPOINT.OVERWRITE_EXISTING; that key only lifts this check. The run then resumes
     # from the folder's newest checkpoint under AUTO_RESUME, or starts from scratch without it
     # (the earlier run's files moved aside, see _Trainer). Nothing is ever deleted.
-    # rank 0 reads the final checkpoint (a whole file, maybe GBs) and every rank acts on its
-    # answer: ranks that judged the file apart could part ways, one training, one not
-    finished, problem = None, None
+    # Rank 0 alone reads the final checkpoint (a whole file, maybe GBs) and every rank acts on
+    # its answer: ranks that judged the file apart could part ways, one training, one not. An
+    # error of rank 0 here is raised there after the exchange, and the other ranks stop quietly
+    # (as held_by_rank0's do) instead of waiting for an answer that never comes.
+    finished, problem, error = None, None, None
     if du.is_primary():
-        finish_set_aside(folder)  # a run killed while moving an earlier run's files aside left part of them
-        finished = final_checkpoint(folder)
-        if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
-            problem, _ = checkpoint_problem(finished)
-    finished, problem = du.all_gather_object((finished, problem))[0]
+        try:
+            finish_set_aside(folder)  # a run killed while moving an earlier run's files aside left part of them
+            finished = final_checkpoint(folder)
+            if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
+                problem, _ = checkpoint_problem(finished)
+        except Exception as e:
+            error = e
+    finished, problem, failed = du.all_gather_object((finished, problem, error is not None))[0]
+    if error is not None:
+        raise error
+    if failed:
+        return None
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
         if problem:  # damaged after the run (a copy, a disk): the run goes on from its newest good checkpoint
             log.warning("%s cannot be used (%s): the run is not finished after all; it goes on from its newest good "

@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 DEMO_DIR ?= demo_run
 # pytest-xdist workers for `make test`: most tests wait on the tool in a subprocess, so two run
-# well on 2 cores (15 min against 21 serially); more oversubscribe the 2-rank tests
+# well on 2 cores; more oversubscribe the 2-rank tests and gained little when measured (22m03s
+# with 2 workers, 21m20s with 3, the same hour on the 2-core machine; most of the suite's CPU time
+# is the tool's processes importing torch)
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench clean

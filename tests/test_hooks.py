@@ -1123,6 +1123,45 @@ def test_deferred_sum_reads_the_weighted_sum_before_and_after_folding(monkeypatc
         assert s.total() == 4.0
 
 
+def test_the_log_lines_peak_memory_is_the_process_peak_rss_also_of_other_threads() -> None:
+    """peak_mem_mb on the CPU is the process's peak RSS (the kernel's VmHWM), counting memory that
+    another thread holds: the log line reads it through the calling thread's rusage, which
+    Linux fills with the whole process's peak."""
+    import threading
+
+    from ssl_engine.hooks.periodic_writer import peak_memory_mb
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux's /proc")
+
+    def status_mb(key: str) -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024.0
+
+    assert peak_memory_mb(torch.device("cpu")) == pytest.approx(status_mb("VmHWM"), abs=2.0)
+    rss_before = status_mb("VmRSS")
+    held, release = threading.Event(), threading.Event()
+
+    def hold_a_block() -> None:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page written
+        held.set()
+        release.wait(30)
+        del block
+
+    worker = threading.Thread(target=hold_a_block)
+    worker.start()
+    try:
+        assert held.wait(30)
+        rss_now = status_mb("VmRSS")
+        assert rss_now >= rss_before + 60  # the other thread's block is resident
+        peak = peak_memory_mb(torch.device("cpu"))
+        assert peak >= rss_now - 1.0
+        assert peak == pytest.approx(status_mb("VmHWM"), abs=2.0)
+    finally:
+        release.set()
+        worker.join()
+
+
 def test_stdout_json_writer_appends_whole_lines_and_reopens_after_close(tmp_path):
     import pickle
 

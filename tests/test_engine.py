@@ -56,16 +56,19 @@ def tiny_task(tmp_path, *overrides):
     return task
 
 
-def test_a_trainer_built_in_python_finds_the_built_in_parts_without_the_tool(tmp_path):
+@pytest.mark.parametrize("checked", [False, True], ids=["trainer-only", "names-checked-first"])
+def test_a_trainer_built_in_python_finds_the_built_in_parts_without_the_tool(tmp_path, checked):
     """Python API use (README, Your own parts): a fresh process that composes a config and runs
     SelfSupervisionTrainer itself has imported no module that registers 'standard_train_step'
-    (the registry must), nor made the run folder (the trainer must)."""
+    (the registry must), nor made the run folder (the trainer must). With the tool's check of
+    the config's names called first (which imports the built-in parts itself), the same."""
+    check = "check_registered_names(cfg)\n" if checked else ""
     script = (
         "import json, sys\n"
         "from ssl_engine.config import compose\n"
         "from ssl_engine.config.validate import check_registered_names\n"
         "cfg = compose(json.loads(sys.argv[1]))\n"
-        "check_registered_names(cfg)  # the tool's check of the config's names, before any part is imported\n"
+        + check +
         "from ssl_engine.hooks import default_hooks\n"
         "from ssl_engine.trainer import SelfSupervisionTrainer\n"
         "task = SelfSupervisionTrainer(cfg, hooks=default_hooks(cfg)).train()\n"

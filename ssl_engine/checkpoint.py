@@ -1085,18 +1085,22 @@ def _weights_of_missing_blocks(model: torch.nn.Module, names: Sequence[str]) -> 
 
 
 def _beyond_siblings(name: str, siblings: Sequence[str]) -> bool:
-    """Whether module ``name`` is a numbered block or stage that continues ``siblings``'s series:
-    a block (ResNet's ``2``, RegNet's ``block3-6``) when one sibling is of its series; a stage
-    (``res5``, ``layer5``) when two or more are and its number is past theirs (a stem's single
-    ``conv1`` is no series)."""
+    """Whether module ``name`` is a numbered block or stage that continues ``siblings``'s series
+    (``siblings`` in the model's order): a block (ResNet's ``2``, RegNet's ``block3-6``) when one
+    sibling is of its series; a stage (``res5``, ``layer5``, an MLP's ``fc2``) when its number is
+    past theirs and its series has two or more siblings or is the series of the last numbered
+    sibling, the deepest stage (so an MLP trunk's single ``fc1`` is a series; a stem's single
+    ``conv1`` before ``res2``-``res4`` is not)."""
     m = _numbered(name)
     if m is None:
         return False
     series, number = m
-    numbers = [n for s, n in filter(None, map(_numbered, siblings)) if s == series]
+    numbered = [x for x in map(_numbered, siblings) if x is not None]
+    numbers = [n for s, n in numbered if s == series]
     if series == "" or series.endswith("-"):
         return bool(numbers)
-    return len(numbers) >= 2 and number > max(numbers)
+    deepest = bool(numbered) and numbered[-1][0] == series
+    return bool(numbers) and number > max(numbers) and (len(numbers) >= 2 or deepest)
 
 
 def _numbered(name: str) -> Optional[Tuple[str, int]]:

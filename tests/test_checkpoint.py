@@ -510,6 +510,32 @@ def test_a_deeper_networks_file_is_refused_not_loaded_as_its_first_blocks(tmp_pa
                                     "trunk._feature_blocks.layer2.0.downsample.0.bias"]
 
 
+@pytest.mark.parametrize("file_dims,model_dims,extra", [([12, 8, 6], [12, 8], "fc2"), ([12, 8, 6, 4], [12, 8, 6], "fc3")])
+def test_a_deeper_mlps_file_is_refused_also_into_a_one_layer_trunk(tmp_path, file_dims, model_dims, extra):
+    """An MLP trunk's layers are its stages: a file with a layer past the model's last stops the
+    run, also where the model has a single layer (DIMS of two values, as the quick configs'),
+    whose ``fc1`` alone is the trunk's deepest series (was: exit 0, ``fc2`` 'unexpected' at INFO)."""
+    from ssl_engine.models import build_model
+
+    def mlp(dims):
+        cfg = compose(["config.MODEL.TRUNK.NAME=mlp", f"config.MODEL.TRUNK.MLP.DIMS={dims}", "config.MODEL.HEAD.PARAMS=[]"])
+        return cfg, build_model(cfg.MODEL, cfg.OPTIMIZER)
+
+    _, deeper = mlp(file_dims)
+    torch.save({"model_state_dict": deeper.state_dict()}, str(tmp_path / "deeper.torch"))
+    cfg, model = mlp(model_dims)
+    cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(tmp_path / "deeper.torch")
+    with pytest.raises(UserError, match=rf"deeper.torch: 2 of its weights belong to numbered blocks this model does not "
+                                        rf"have \(e.g. trunk._feature_blocks.{extra}.0.weight\): the file is for a deeper "
+                                        rf"network"):
+        ck.init_model_from_weights(model, cfg.MODEL)
+    _, same = mlp(model_dims)  # the same depth's file loads whole
+    torch.save({"model_state_dict": same.state_dict()}, str(tmp_path / "same.torch"))
+    cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(tmp_path / "same.torch")
+    report = ck.init_model_from_weights(model, cfg.MODEL)
+    assert not report["unexpected"] and not report["missing"] and len(report["loaded"]) == 2 * (len(model_dims) - 1)
+
+
 def test_a_head_of_another_shape_is_an_error_where_the_heads_are_not_trained(tmp_path):
     """A head of another class count is skipped (the head trains from random init); where the heads
     are frozen or their output is extracted it would give a partly random head's output: an error

@@ -866,12 +866,14 @@ def is_engine_checkpoint(data: Dict[str, Any]) -> bool:
     return isinstance(state, dict) and "phase_idx" in data and isinstance(state.get("base_model"), dict)
 
 
-def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
+def newest_good_checkpoint(folder: Path, skip: Sequence[Path] = ()) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The newest checkpoint of ``folder`` that loads, with its content.
 
     checkpoint.torch is tried first; a truncated or unreadable file is skipped with a
-    warning naming it, and the next older one is used.
+    warning naming it, and the next older one is used. Files in ``skip`` (found unusable by
+    the caller, who said so) are passed over without reading them again.
     """
+    skipped = {Path(p).resolve() for p in skip}
     folder = Path(folder)
     candidates: List[Path] = []
     pointer = folder / POINTER
@@ -890,7 +892,7 @@ def newest_good_checkpoint(folder: Path) -> Optional[Tuple[Path, Dict[str, Any]]
         candidates = [ahead]
     candidates += [p for p in listed if p.resolve() not in candidates]
     for p in candidates:
-        if not p.exists():
+        if not p.exists() or p.resolve() in skipped:
             continue
         problem, data = checkpoint_problem(p)
         if problem:

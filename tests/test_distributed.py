@@ -325,20 +325,28 @@ def test_two_ranks_resumed_mid_phase_log_what_an_uninterrupted_run_logs(
     apart = tmp_path / "apart.py"
     apart.write_text(
         "import torch.distributed as dist\n"
+        "import ssl_engine.checkpoint as checkpoint\n"
         "import ssl_engine.engines.train as train\n"
-        "judge = train.checkpoint_problem\n"
-        "train.checkpoint_problem = lambda path: ('judged apart', None) if dist.get_rank() else judge(path)\n"
+        "judge = checkpoint.checkpoint_problem\n"
+        "apart = lambda path: ('judged apart', None) if dist.get_rank() else judge(path)\n"
+        "checkpoint.checkpoint_problem = train.checkpoint_problem = apart\n"
     )
-    again = run_tool(args + [f"config.USER_MODULES=[{apart}]"])
+    # a rank that lost its way waits in a collective: one minute, not thirty, before the run fails
+    apart_args = args + [f"config.USER_MODULES=[{apart}]", "config.DISTRIBUTED.TIMEOUT_MINUTES=1"]
+    again = run_tool(apart_args)
     ok(again)
     assert "has finished (model_final_checkpoint_phase1.torch exists)" in again.stdout + again.stderr
     assert "judged apart" not in again.stdout + again.stderr
+    # damaged after the run: rank 0 chooses the newest good checkpoint and both ranks resume from
+    # that file (rank 1 would have found none and trained from scratch), and end as one rank does
     final = folder / "model_final_checkpoint_phase1.torch"
-    final.write_bytes(final.read_bytes()[:1000])  # damaged after the run: both ranks go on from model_phase0
-    again = run_tool(args)
+    final.write_bytes(final.read_bytes()[:1000])
+    again = run_tool(apart_args)
     ok(again)
     assert "model_final_checkpoint_phase1.torch cannot be used" in again.stdout + again.stderr
     assert "has finished" not in again.stdout + again.stderr and torch.load(str(final), weights_only=False)
+    assert "judged apart" not in again.stdout + again.stderr
+    assert_same_metrics(read_metrics(folder), one_rank_metrics)
 
 
 def test_torchrun_equals_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:

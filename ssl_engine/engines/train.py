@@ -2,7 +2,7 @@
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import (
@@ -32,8 +32,9 @@ from ssl_engine.trainer import SelfSupervisionTrainer
 log = logging.getLogger(__name__)
 
 
-def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
-    """The checkpoint this run continues from, loaded: RESUME_FROM, else the folder's newest good one."""
+def resume_checkpoint(cfg: AttrDict, skip: Sequence[Path] = ()) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """The checkpoint this run continues from, loaded: RESUME_FROM, else the folder's newest good
+    one (``skip``: files already found unusable, not read again)."""
     if cfg.CHECKPOINT.RESUME_FROM:
         path = resume_from_file(cfg.CHECKPOINT.RESUME_FROM)
         try:
@@ -53,8 +54,20 @@ def resume_checkpoint(cfg: AttrDict) -> Optional[Tuple[str, Dict[str, Any]]]:
         return str(path), data
     if not cfg.CHECKPOINT.AUTO_RESUME:
         return None
-    found = newest_good_checkpoint(Path(cfg.CHECKPOINT.DIR))
+    found = newest_good_checkpoint(Path(cfg.CHECKPOINT.DIR), skip=skip)
     return (str(found[0]), found[1]) if found else None
+
+
+def load_chosen_checkpoint(path: str) -> Dict[str, Any]:
+    """The checkpoint rank 0 chose, read by another rank: one that cannot read it (a checkpoint
+    folder that is not shared between the nodes, say) stops the run naming the file."""
+    try:
+        return load_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"rank {du.get_rank()} cannot read the checkpoint rank 0 resumes from ({e}); every rank reads it: "
+            f"config.CHECKPOINT.DIR must be a folder that all nodes share"
+        ) from None
 
 
 class _NothingLeft(Exception):
@@ -159,7 +172,21 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
                 repoint_to_final(folder, finished)
             log.info(_finished_message(folder, finished.name, cfg))
             return None
-    resume = resume_checkpoint(cfg)
+    # rank 0 alone chooses the checkpoint to resume from, and every rank reads that file: ranks
+    # that chose apart (a file one of them could not read) would train from different states
+    resume, error = None, None
+    if du.is_primary():
+        try:
+            resume = resume_checkpoint(cfg, skip=[finished] if finished is not None and problem else [])
+        except Exception as e:
+            error = e
+    chosen, failed = du.all_gather_object((resume[0] if resume else None, error is not None))[0]
+    if error is not None:
+        raise error
+    if failed:
+        return None
+    if chosen is not None and resume is None:
+        resume = (chosen, load_chosen_checkpoint(chosen))
     if resume is not None:
         _refuse_training_checkpoint_for_test_only(cfg, resume[0], int(resume[1].get("train_phase_idx", -1)))
     if du.is_primary():

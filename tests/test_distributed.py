@@ -347,6 +347,24 @@ def test_two_ranks_resumed_mid_phase_log_what_an_uninterrupted_run_logs(
     assert "has finished" not in again.stdout + again.stderr and torch.load(str(final), weights_only=False)
     assert "judged apart" not in again.stdout + again.stderr
     assert_same_metrics(read_metrics(folder), one_rank_metrics)
+    # a rank that cannot read the file rank 0 chose (a folder the nodes do not share) stops the run
+    unshared = tmp_path / "unshared.py"
+    unshared.write_text(
+        "import torch.distributed as dist\n"
+        "import ssl_engine.engines.train as train\n"
+        "from ssl_engine.errors import CheckpointError\n"
+        "read = train.load_checkpoint\n"
+        "def load(path):\n"
+        "    if dist.get_rank():\n"
+        "        raise CheckpointError(f'{path} does not exist')\n"
+        "    return read(path)\n"
+        "train.load_checkpoint = load\n"
+    )
+    final.write_bytes(final.read_bytes()[:1000])
+    stopped = run_tool(args + [f"config.USER_MODULES=[{unshared}]", "config.DISTRIBUTED.TIMEOUT_MINUTES=1"])
+    assert stopped.returncode == 2, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    assert ("error: rank 1: cannot read the checkpoint rank 0 resumes from" in stopped.stderr
+            and "config.CHECKPOINT.DIR must be a folder that all nodes share" in stopped.stderr), stopped.stderr[-2000:]
 
 
 def test_torchrun_equals_one_rank(tmp_path: Path, one_rank_metrics: List[Dict[str, Any]]) -> None:

@@ -65,7 +65,7 @@ def load_chosen_checkpoint(path: str) -> Dict[str, Any]:
         return load_checkpoint(path)
     except CheckpointError as e:
         raise CheckpointError(
-            f"rank {du.get_rank()} cannot read the checkpoint rank 0 resumes from ({e}); every rank reads it: "
+            f"cannot read the checkpoint rank 0 resumes from ({e}); every rank reads it: "
             f"config.CHECKPOINT.DIR must be a folder that all nodes share"
         ) from None
 

@@ -445,9 +445,23 @@ def test_schedule_errors_are_user_errors():
         build_param_scheduler(bad, 10)
     with pytest.raises(UserError, match="milestones"):
         build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[3, 6]), 10)
-    with pytest.raises(UserError, match=r"num_epochs=2; raise config\.OPTIMIZER\.num_epochs above 60 or give "
-                                         r"milestones below 2"):  # VISSL's default milestones on a short run: the fix
+    with pytest.raises(UserError, match=r"num_epochs=10; raise config\.OPTIMIZER\.num_epochs above 60 or give "
+                                         r"milestones below 10"):  # VISSL's milestones on a shorter run: the fix
+        build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[30, 60]), 10)
+    # more milestones than the run has epochs after its first: no milestones below num_epochs would do
+    with pytest.raises(UserError, match=r"num_epochs=2 leaves room for 1 milestone\(s\): raise config\.OPTIMIZER\."
+                                         r"num_epochs above 60, or give fewer milestones and values \(.*milestones=\[\] "
+                                         r"with one value keeps it throughout\)"):
         build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[30, 60]), 2)
+    with pytest.raises(UserError, match=r"num_epochs=1 leaves no epoch for a milestone"):
+        build_param_scheduler(lr_cfg(name="multistep", values=[0.3, 0.03, 0.003], milestones=[120, 160]), 1)
+    assert build_param_scheduler(lr_cfg(name="multistep", values=[0.3], milestones=[]), 1)(0.0) == 0.3  # the advice works
+    # a milestone is a whole epoch: 1.5 was cut to 1 without a word (the value changed an epoch early)
+    for bad in (1.5, 0.5, True):
+        with pytest.raises(UserError, match=rf"milestones\[0\]={bad!r} must be a whole number of epochs"):
+            build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[bad]), 3)
+    three = build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[2.0]), 3)
+    assert [three(w) for w in (0.0, 1 / 3, 2 / 3)] == [0.1, 0.1, 0.01]
     with pytest.raises(UserError, match=r"increasing epochs in \(0, 10\) for config\.OPTIMIZER\.num_epochs=10$"):
         build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[6, 3]), 10)
     with pytest.raises(UserError, match="update_interval"):

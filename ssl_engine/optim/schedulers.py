@@ -117,6 +117,26 @@ def _number(value: Any, key: str) -> float:
         raise UserError(f"{key}={value!r} must be a number") from None
 
 
+def _epoch(value: Any, key: str) -> int:
+    """A whole number of epochs (a multistep milestone: the value changes as that epoch starts)."""
+    number = _number(value, key)
+    if isinstance(value, bool) or not number.is_integer():
+        raise UserError(f"{key}={value!r} must be a whole number of epochs (the value changes as an epoch starts)")
+    return int(number)
+
+
+def _milestone_advice(ms: List[int], num_epochs: int, where: str) -> str:
+    """The end of the milestones error where they do not fit into ``num_epochs``: how to fix it."""
+    if not ms or ms[-1] < num_epochs:
+        return ""  # not increasing: the message says what is wanted
+    if len(ms) < num_epochs:
+        return f"; raise config.OPTIMIZER.num_epochs above {ms[-1]} or give milestones below {num_epochs}"
+    room = (f"leaves room for {num_epochs - 1} milestone(s)" if num_epochs > 1 else
+            "leaves no epoch for a milestone")
+    return (f"; num_epochs={num_epochs} {room}: raise config.OPTIMIZER.num_epochs above {ms[-1]}, or give "
+            f"fewer milestones and values ({where}.milestones=[] with one value keeps it throughout)")
+
+
 def _numbers(values: Any, key: str) -> List[float]:
     if not isinstance(values, (list, tuple)) or not values:
         raise UserError(f"{key}={values!r} must be a non-empty list of numbers")
@@ -153,20 +173,13 @@ def build_param_scheduler(cfg: Mapping[str, Any], num_epochs: int, where: str = 
                     f"{where}.milestones={list(milestones)} must have one entry fewer than "
                     f"{where}.values ({len(values)} values)"
                 )
-            if milestones is not None:
-                ms = [int(m) for m in milestones]
-                if any(b <= a for a, b in zip([0] + ms, ms)) or (ms and ms[-1] >= num_epochs):
-                    raise UserError(
-                        f"{where}.milestones={ms} must be increasing epochs in (0, {num_epochs}) "
-                        f"for config.OPTIMIZER.num_epochs={num_epochs}"
-                        + (f"; raise config.OPTIMIZER.num_epochs above {max(ms)} or give milestones below "
-                           f"{num_epochs}" if ms and ms[-1] >= num_epochs else "")
-                    )
-            return MultiStepParamScheduler(
-                values=values,
-                num_updates=num_epochs,
-                milestones=[int(m) for m in milestones] if milestones is not None else None,
-            )
+            ms = None if milestones is None else [_epoch(m, f"{where}.milestones[{i}]") for i, m in enumerate(milestones)]
+            if ms is not None and (any(b <= a for a, b in zip([0] + ms, ms)) or (ms and ms[-1] >= num_epochs)):
+                raise UserError(
+                    f"{where}.milestones={ms} must be increasing epochs in (0, {num_epochs}) "
+                    f"for config.OPTIMIZER.num_epochs={num_epochs}" + _milestone_advice(ms, num_epochs, where)
+                )
+            return MultiStepParamScheduler(values=values, num_updates=num_epochs, milestones=ms)
         if name == "cosine_warm_restart":
             return CosineWarmRestartParamScheduler(
                 start_value=_number(_require(cfg, "start_value", where), f"{where}.start_value"),

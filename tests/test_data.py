@@ -585,6 +585,11 @@ def test_transform_errors_are_user_errors() -> None:
     with pytest.raises(UserError, match="ImgPilToMultiCrop.*total_num_crops"):
         build_transform({"name": "ImgPilToMultiCrop", "total_num_crops": 4, "num_crops": [2, 3],
                          "size_crops": [16, 8], "crop_scales": [[0.5, 1.0], [0.1, 0.5]]})
+    for key, value in (("size_crops", [16.5, 8]), ("num_crops", [2, 1.5])):  # was cut to 16 / 1 without a word
+        spec = {"name": "ImgPilToMultiCrop", "total_num_crops": 3, "num_crops": [2, 1], "size_crops": [16, 8],
+                "crop_scales": [[0.5, 1.0], [0.1, 0.5]], key: value}
+        with pytest.raises(UserError, match=rf"ImgPilToMultiCrop.*{key}\[\d\]=1\d?\.5 must be a whole number"):
+            build_transform(spec)
     with pytest.raises(UserError, match="'name'"):
         build_transform({"size": 3})
     ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "Normalize", "mean": [0.5] * 3, "std": [0.5] * 3}]), "TRAIN")

@@ -182,6 +182,13 @@ class ImgPilRandomSolarize:
         return ImageOps.solarize(img, threshold=self.threshold)
 
 
+def _whole(value: Any, name: str, least: int = 1) -> int:
+    """A count or a size in pixels: a whole number (``64.5`` was cut to 64 without a word)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < least:
+        raise ValueError(f"{name}={value!r} must be a whole number of at least {least}")
+    return int(value)
+
+
 @TRANSFORMS.register("ImgPilToMultiCrop")
 class ImgPilToMultiCrop:
     """SwAV's multi-crop: ``num_crops[i]`` random resized crops of size ``size_crops[i]`` and scale ``crop_scales[i]``.
@@ -196,7 +203,10 @@ class ImgPilToMultiCrop:
         size_crops: Sequence[int],
         crop_scales: Sequence[Sequence[float]],
     ) -> None:
-        num_crops, size_crops, crop_scales = list(num_crops), list(size_crops), [list(s) for s in crop_scales]
+        num_crops = [_whole(n, f"num_crops[{i}]", least=0) for i, n in enumerate(num_crops)]
+        size_crops = [_whole(n, f"size_crops[{i}]") for i, n in enumerate(size_crops)]
+        total_num_crops = _whole(total_num_crops, "total_num_crops")
+        crop_scales = [list(s) for s in crop_scales]
         if not (len(num_crops) == len(size_crops) == len(crop_scales)):
             raise ValueError(
                 f"num_crops, size_crops and crop_scales must have the same length, got "

@@ -665,10 +665,13 @@ def test_weights_init_file_gives_the_checkpoint_folders_features(pretrained: Pat
     assert not np.allclose(a, c, rtol=1e-3, atol=1e-3)
 
 
-def test_extraction_refuses_augmented_multi_view_batches(pretrained: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("collator", ["simclr_collator", "moco_collator"])
+def test_extraction_refuses_augmented_multi_view_batches(pretrained: Path, tmp_path: Path, collator: str) -> None:
+    """Two augmented views per sample are refused, also where the collator hands the second over
+    beside ``data`` (moco_collator's ``data_momentum``: the features of view 0 were written)."""
     proc = tool(["config=quick/simclr_digits", "engine_name=extract_features", f"config.CHECKPOINT.DIR={pretrained}",
                  f"config.EXTRACT_FEATURES.OUTPUT_DIR={tmp_path}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
-                 "config.DATA.TRAIN.DATA_LIMIT=8"], ok=False)
+                 "config.DATA.TRAIN.DATA_LIMIT=8", f"config.DATA.TRAIN.COLLATE_FUNCTION={collator}"], ok=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
     assert err[-1].startswith("error: ") and "2 inputs per sample" in err[-1] and "ImgReplicatePil" in err[-1]

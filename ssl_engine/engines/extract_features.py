@@ -282,12 +282,15 @@ def _write_features(task: Any, split: str, batches: Any, writer: Any, unreadable
     with writer:  # waits for the shard files being written; on an error, stops the writer threads
         for batch in batches:
             views, inds = batch["data"], batch["data_idx"][0].numpy()
+            # moco_collator hands a sample's second view over as data_momentum, beside data
+            momentum = batch.get("data_momentum")
+            inputs = len(views) + (len(momentum) if isinstance(momentum, (list, tuple)) else momentum is not None)
             unique = _num_unique(inds)
-            if len(views) != 1 or unique != len(inds):
+            if inputs != 1 or unique != len(inds):
                 from ssl_engine.config.validate import inputs_origin
 
                 raise UserError(
-                    f"config.DATA.{split} gives {max(len(views), len(inds) // max(unique, 1))} inputs per sample; "
+                    f"config.DATA.{split} gives {max(inputs, len(inds) // max(unique, 1))} inputs per sample; "
                     f"feature extraction needs one; they come from "
                     f"{inputs_origin(cfg, split, 'remove them and use COLLATE_FUNCTION default_collate')}"
                 )

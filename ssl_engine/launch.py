@@ -148,7 +148,9 @@ def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
         return f"file://{os.path.join(folder, 'rendezvous')}", folder
     host, _, port = str(d.RUN_ID).rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"config.DISTRIBUTED.RUN_ID={d.RUN_ID!r} is not host:port (e.g. 10.0.0.1:29500)")
+        one_node = "; on one node, auto (the default) needs no address" if d.NUM_NODES == 1 else ""
+        raise ConfigError(f"config.DISTRIBUTED.RUN_ID={d.RUN_ID!r} is not host:port of node 0 (e.g. "
+                          f"10.0.0.1:29500){one_node}")
     return f"tcp://{d.RUN_ID}", None
 
 

@@ -148,8 +148,12 @@ def test_init_method_checks() -> None:
     with pytest.raises(ConfigError, match="config.DISTRIBUTED.RUN_ID must be host:port"):
         init_method_for(cfg)
     cfg.DISTRIBUTED.RUN_ID = "nohostport"
-    with pytest.raises(ConfigError, match="is not host:port"):
+    with pytest.raises(ConfigError, match=r"is not host:port of node 0 \(e\.g\. 10\.0\.0\.1:29500\)$"):
         init_method_for(cfg)
+    cfg.DISTRIBUTED.NUM_NODES = 1  # VISSL's configs for one node leave a placeholder: auto is what they mean
+    with pytest.raises(ConfigError, match="is not host:port of node 0 .*; on one node, auto .the default. needs no address"):
+        init_method_for(cfg)
+    cfg.DISTRIBUTED.NUM_NODES = 2
     cfg.DISTRIBUTED.RUN_ID = "10.0.0.1:29500"
     assert init_method_for(cfg) == ("tcp://10.0.0.1:29500", None)
     # one node with RUN_ID=auto, tcp or file: a file in a fresh folder, no port another job could take

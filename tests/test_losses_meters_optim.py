@@ -456,12 +456,21 @@ def test_schedule_errors_are_user_errors():
     with pytest.raises(UserError, match=r"num_epochs=1 leaves no epoch for a milestone"):
         build_param_scheduler(lr_cfg(name="multistep", values=[0.3, 0.03, 0.003], milestones=[120, 160]), 1)
     assert build_param_scheduler(lr_cfg(name="multistep", values=[0.3], milestones=[]), 1)(0.0) == 0.3  # the advice works
-    # a milestone is a whole epoch: 1.5 was cut to 1 without a word (the value changed an epoch early)
-    for bad in (1.5, 0.5, True):
-        with pytest.raises(UserError, match=rf"milestones\[0\]={bad!r} must be a whole number of epochs"):
-            build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[bad]), 3)
+    with pytest.raises(UserError, match=r"values has 3 values, but config\.OPTIMIZER\.num_epochs=1 has room for 1"):
+        build_param_scheduler(lr_cfg(name="multistep", values=[0.3, 0.03, 0.003], milestones=[0.5, 0.8]), 1)
+    # a milestone between two epochs takes effect as the next epoch starts, as in VISSL (classy's
+    # scheduler): 1.5 was cut to 1 (the value changed an epoch early)
+    four = build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[1.5]), 4)
+    assert [four(w) for w in (0.0, 0.25, 0.5, 0.75)] == [0.1, 0.1, 0.01, 0.01]
     three = build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[2.0]), 3)
     assert [three(w) for w in (0.0, 1 / 3, 2 / 3)] == [0.1, 0.1, 0.01]
+    for bad in (True, float("nan"), "x"):
+        with pytest.raises(UserError, match=r"milestones\[0\]=.* must be a number"):
+            build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01], milestones=[bad]), 3)
+    # out of order and past the end: the order is what to fix, not num_epochs
+    with pytest.raises(UserError, match=r"milestones=\[3, 2\] must be increasing epochs in \(0, 2\) for "
+                                         r"config\.OPTIMIZER\.num_epochs=2$"):
+        build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[3, 2]), 2)
     with pytest.raises(UserError, match=r"increasing epochs in \(0, 10\) for config\.OPTIMIZER\.num_epochs=10$"):
         build_param_scheduler(lr_cfg(name="multistep", values=[0.1, 0.01, 0.001], milestones=[6, 3]), 10)
     with pytest.raises(UserError, match="update_interval"):

@@ -117,17 +117,19 @@ def _number(value: Any, key: str) -> float:
         raise UserError(f"{key}={value!r} must be a number") from None
 
 
-def _epoch(value: Any, key: str) -> int:
-    """A whole number of epochs (a multistep milestone: the value changes as that epoch starts)."""
+def _milestone(value: Any, key: str) -> float:
+    """A multistep milestone, in epochs. One that is not a whole number takes effect as the next
+    whole epoch starts (1.5: at epoch 2), as classy_vision's MultiStepParamScheduler, and so
+    VISSL, reads it; it was cut to the epoch before (1) here."""
     number = _number(value, key)
-    if isinstance(value, bool) or not number.is_integer():
-        raise UserError(f"{key}={value!r} must be a whole number of epochs (the value changes as an epoch starts)")
-    return int(number)
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise UserError(f"{key}={value!r} must be a number of epochs")
+    return int(number) if number.is_integer() else number
 
 
-def _milestone_advice(ms: List[int], num_epochs: int, where: str) -> str:
+def _milestone_advice(ms: List[float], num_epochs: int, where: str) -> str:
     """The end of the milestones error where they do not fit into ``num_epochs``: how to fix it."""
-    if not ms or ms[-1] < num_epochs:
+    if not ms or ms[-1] < num_epochs or any(b <= a for a, b in zip(ms, ms[1:])):
         return ""  # not increasing: the message says what is wanted
     if len(ms) < num_epochs:
         return f"; raise config.OPTIMIZER.num_epochs above {ms[-1]} or give milestones below {num_epochs}"
@@ -173,11 +175,18 @@ def build_param_scheduler(cfg: Mapping[str, Any], num_epochs: int, where: str = 
                     f"{where}.milestones={list(milestones)} must have one entry fewer than "
                     f"{where}.values ({len(values)} values)"
                 )
-            ms = None if milestones is None else [_epoch(m, f"{where}.milestones[{i}]") for i, m in enumerate(milestones)]
+            ms = None if milestones is None else [_milestone(m, f"{where}.milestones[{i}]")
+                                                  for i, m in enumerate(milestones)]
             if ms is not None and (any(b <= a for a, b in zip([0] + ms, ms)) or (ms and ms[-1] >= num_epochs)):
                 raise UserError(
                     f"{where}.milestones={ms} must be increasing epochs in (0, {num_epochs}) "
                     f"for config.OPTIMIZER.num_epochs={num_epochs}" + _milestone_advice(ms, num_epochs, where)
+                )
+            if len(values) > num_epochs:  # classy: "Total num_updates must be greater than length of param schedule"
+                raise UserError(
+                    f"{where}.values has {len(values)} values, but config.OPTIMIZER.num_epochs={num_epochs} has room "
+                    f"for {num_epochs}, one per epoch at most: raise num_epochs, or give fewer values and milestones "
+                    f"({where}.milestones=[] with one value keeps it throughout)"
                 )
             return MultiStepParamScheduler(values=values, num_updates=num_epochs, milestones=ms)
         if name == "cosine_warm_restart":

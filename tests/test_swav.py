@@ -295,6 +295,8 @@ def test_vissl_inference_of_crops_prototypes_dim_and_queue():
     sw = compose([QUICK]).LOSS.swav_loss
     assert (sw.num_crops, sw.num_prototypes, sw.embedding_dim) == (4, [20], 32)
     assert (sw.queue.queue_length, sw.queue.local_queue_length) == (16, 16)
+    # 4.0 crops are the 4 the transform makes (num_crops was left at 2: views paired wrongly)
+    assert compose([QUICK, "config.DATA.TRAIN.TRANSFORMS.0.total_num_crops=4.0"]).LOSS.swav_loss.num_crops == 4
     sw = compose([QUICK, "config.LOSS.swav_loss.queue.queue_length=18", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]).LOSS.swav_loss
     assert (sw.queue.queue_length, sw.queue.local_queue_length) == (16, 8)  # a multiple of the global batch 8
     # a value set on purpose that contradicts its source is an error naming both

@@ -72,9 +72,7 @@ class ImgReplicatePil:
     """Return ``num_times`` copies of the image; the sample then holds that many views."""
 
     def __init__(self, num_times: int = 2) -> None:
-        if int(num_times) < 1:
-            raise ValueError(f"num_times must be >= 1, got {num_times}")
-        self.num_times = int(num_times)
+        self.num_times = _whole(num_times, "num_times")
 
     def __call__(self, img: Any) -> List[Any]:
         return [_copy_image(img) for _ in range(self.num_times)]

@@ -465,6 +465,13 @@ def test_a_finished_runs_damaged_final_checkpoint_is_written_again(setup, refere
     assert_bitwise_equal(tensors_of(reference[0] / final.name), tensors_of(final))
     r = run(cfg, folder)  # now it is finished
     assert r.returncode == 0 and "has finished" in r.stdout + r.stderr
+    if damage == "truncated":  # without auto-resume the warning says what happens: a new run from scratch
+        final.write_bytes(final.read_bytes()[:1000])
+        r = run(cfg, folder, "config.CHECKPOINT.AUTO_RESUME=false")
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-3000:]
+        assert "with config.CHECKPOINT.AUTO_RESUME=false it trains again from scratch" in out, out[-3000:]
+        assert "goes on from its newest good checkpoint" not in out and (folder / "previous_run.1").is_dir()
 
 
 @pytest.mark.parametrize("pointer", ["earlier", "last_iteration", "missing"])

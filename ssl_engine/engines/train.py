@@ -164,8 +164,10 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
         return None
     if finished is not None and not cfg.CHECKPOINT.RESUME_FROM and not cfg.CHECKPOINT.OVERWRITE_EXISTING:
         if problem:  # damaged after the run (a copy, a disk): the run goes on from its newest good checkpoint
-            log.warning("%s cannot be used (%s): the run is not finished after all; it goes on from its newest good "
-                        "checkpoint and writes %s again", finished.name, problem, finished.name)
+            how = ("it goes on from its newest good checkpoint and writes {} again" if cfg.CHECKPOINT.AUTO_RESUME else
+                   "with config.CHECKPOINT.AUTO_RESUME=false it trains again from scratch (the earlier run's files are "
+                   "moved into a previous_run.N subfolder)").format(finished.name)
+            log.warning("%s cannot be used (%s): the run is not finished after all; %s", finished.name, problem, how)
         else:
             _refuse_training_checkpoint_for_test_only(cfg, str(finished), final_phase(finished))
             if du.is_primary():
@@ -185,8 +187,18 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
         raise error
     if failed:
         return None
-    if chosen is not None and resume is None:
-        resume = (chosen, load_chosen_checkpoint(chosen))
+    if chosen is not None:  # every rank says whether it read the file: rank 0 stops too where one could not
+        unread = None
+        if resume is None:
+            try:
+                resume = (chosen, load_chosen_checkpoint(chosen))
+            except CheckpointError as e:
+                unread = e
+        unread_anywhere = any(du.all_gather_object(unread is not None))
+        if unread is not None:
+            raise unread
+        if unread_anywhere:
+            return None
     if resume is not None:
         _refuse_training_checkpoint_for_test_only(cfg, resume[0], int(resume[1].get("train_phase_idx", -1)))
     if du.is_primary():

@@ -33,6 +33,14 @@ class CheckpointError(UserError):
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
+def whole_number(value: object) -> Optional[int]:
+    """``value`` as an int where it is a whole number (4 and 4.0 alike; not True), else None: a
+    count or size that a config gives as 4.5 is refused rather than cut to 4."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        return None
+    return int(value)
+
+
 def is_url(value: object) -> bool:
     """Whether a path value of the config is a URL (``scheme://...``) rather than a local path."""
     return isinstance(value, str) and _URL_RE.match(value.strip()) is not None

@@ -33,7 +33,7 @@ import copy
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
-from ssl_engine.errors import ConfigError
+from ssl_engine.errors import ConfigError, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +64,11 @@ def _crops_per_image(cfg: Dict[str, Any]) -> Optional[Tuple[str, int]]:
         if not isinstance(t, dict):
             continue
         where = f"config.DATA.TRAIN.TRANSFORMS[{i}] ({t.get('name')})"
-        if t.get("name") == "ImgPilToMultiCrop" and _count(t.get("total_num_crops")) is not None:
-            found = (f"{where}.total_num_crops", _count(t["total_num_crops"]))
-        elif t.get("name") == "ImgReplicatePil" and _count(t.get("num_times", 2)) is not None:
-            found = (f"{where}.num_times", _count(t.get("num_times", 2)))
+        if t.get("name") == "ImgPilToMultiCrop" and whole_number(t.get("total_num_crops")) is not None:
+            found = (f"{where}.total_num_crops", whole_number(t["total_num_crops"]))
+        elif t.get("name") == "ImgReplicatePil" and whole_number(t.get("num_times", 2)) is not None:
+            found = (f"{where}.num_times", whole_number(t.get("num_times", 2)))
     return found
-
-
-def _count(value: Any) -> Optional[int]:
-    """A number of views as the transform reads it (4 and 4.0 alike), or None for what it refuses."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
-        return None
-    return int(value)
 
 
 def _take(section: Dict[str, Any], default: Dict[str, Any], key: str, value: Any, source: str,

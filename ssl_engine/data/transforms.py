@@ -33,7 +33,7 @@ import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 from PIL import Image, ImageFilter, ImageOps
 
-from ssl_engine.errors import UserError
+from ssl_engine.errors import UserError, whole_number
 from ssl_engine.registry import TRANSFORMS, accepted_params
 
 # ----------------------------------------------------------------------------- torchvision
@@ -182,9 +182,10 @@ class ImgPilRandomSolarize:
 
 def _whole(value: Any, name: str, least: int = 1) -> int:
     """A count or a size in pixels: a whole number (``64.5`` was cut to 64 without a word)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < least:
+    number = whole_number(value)
+    if number is None or number < least:
         raise ValueError(f"{name}={value!r} must be a whole number of at least {least}")
-    return int(value)
+    return number
 
 
 @TRANSFORMS.register("ImgPilToMultiCrop")

@@ -118,9 +118,9 @@ def _number(value: Any, key: str) -> float:
 
 
 def _milestone(value: Any, key: str) -> float:
-    """A multistep milestone, in epochs. One that is not a whole number takes effect as the next
-    whole epoch starts (1.5: at epoch 2), as classy_vision's MultiStepParamScheduler, and so
-    VISSL, reads it; it was cut to the epoch before (1) here."""
+    """A multistep milestone, in epochs. One that is not a whole number is kept as it is: it takes
+    effect as the next whole epoch starts (1.5: at epoch 2), as classy_vision's
+    MultiStepParamScheduler reads it, so a VISSL config gets VISSL's schedule."""
     number = _number(value, key)
     if isinstance(value, bool) or not math.isfinite(number):
         raise UserError(f"{key}={value!r} must be a number of epochs")

@@ -322,6 +322,12 @@ def _check_format(folder: Path, split: str, layer: str, shard: "FeatureShard", s
             f"holds {got_dtype} features of shape {got_shape} per sample, but the extraction wrote {dtype} of shape "
             f"{shape} (a shard was changed since), extract again"
         )
+    targets_dtype = info.get("targets_dtype")  # status files of older extractions do not record it
+    if isinstance(targets_dtype, str) and targets_dtype != str(shard.targets.dtype):
+        raise FeatureShardError(
+            f"{_inconsistent(folder, split, layer)}: {shard.name} holds {shard.targets.dtype} targets, but the "
+            f"extraction wrote {targets_dtype} (a shard was changed since), extract again"
+        )
 
 
 def _check_sample_count(folder: Path, split: str, layer: str, rows: int, status: Dict[str, Any]) -> None:
@@ -406,13 +412,22 @@ def _check_split(folder: Path, split: str, layer: str, shards: Sequence[FeatureS
     Returns each shard's rows to read (None: all), the sorted indices of those rows, and, when
     the extraction left samples out, the indices written (else None)."""
     where = _inconsistent(folder, split, layer)
-    feat_shape, target_shape = shards[0].features.shape[1:], shards[0].targets.shape[1:]
+    first = shards[0]
     for s in shards:
-        if s.features.shape[1:] != feat_shape or s.targets.shape[1:] != target_shape:
+        if s.features.shape[1:] != first.features.shape[1:] or s.targets.shape[1:] != first.targets.shape[1:]:
             raise FeatureShardError(
                 f"{where}: {s.name} has features {tuple(s.features.shape[1:])} and targets "
-                f"{tuple(s.targets.shape[1:])} per sample, {shards[0].name} has "
-                f"{tuple(feat_shape)} and {tuple(target_shape)}; extract again into an empty folder"
+                f"{tuple(s.targets.shape[1:])} per sample, {first.name} has "
+                f"{tuple(first.features.shape[1:])} and {tuple(first.targets.shape[1:])}; extract again into an empty folder"
+            )
+    # one extraction writes one dtype: merged, the rows of another would be cast (a target 2.5 read
+    # as 2); a shard of no rows has nothing to cast
+    typed = [s for s in shards if len(s.inds)]
+    for s in typed:
+        if s.features.dtype != typed[0].features.dtype or s.targets.dtype != typed[0].targets.dtype:
+            raise FeatureShardError(
+                f"{where}: {s.name} holds {s.features.dtype} features and {s.targets.dtype} targets, {typed[0].name} "
+                f"{typed[0].features.dtype} and {typed[0].targets.dtype}; extract again into an empty folder"
             )
     keep, sorted_inds = _first_rows(folder, split, layer, shards, status)
     if keep is None:
@@ -470,8 +485,9 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
     shards = [_read_shard(k, p, mmap=True) for k, p in _shard_paths(folder, split, layer)]
     _, sorted_inds, written = _check_split(folder, split, layer, shards, extraction_status(folder, split))
     n = len(sorted_inds)
-    features = np.empty((n,) + tuple(shards[0].features.shape[1:]), dtype=shards[0].features.dtype)
-    targets = np.empty((n,) + tuple(shards[0].targets.shape[1:]), dtype=shards[0].targets.dtype)
+    typed = next((s for s in shards if len(s.inds)), shards[0])  # the dtypes every shard with rows has
+    features = np.empty((n,) + tuple(shards[0].features.shape[1:]), dtype=typed.features.dtype)
+    targets = np.empty((n,) + tuple(shards[0].targets.shape[1:]), dtype=typed.targets.dtype)
     # each shard straight to its sorted rows: one copy, no concatenation; the last ranks first, so
     # that a padding repeat is overwritten by its sample's own row (no rank repeats an index)
     for s in reversed(shards):
@@ -568,7 +584,7 @@ class ShardWriter:
         self.num_samples = 0
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         self.dtypes: Dict[str, np.dtype] = {}
-        self._target_dtype: Optional[np.dtype] = None
+        self.target_dtype: Optional[np.dtype] = None
         self._filled = 0  # rows in the chunk being filled
         self._pool: Optional[ThreadPoolExecutor] = None  # the writer thread, started at the first add
         self._pending: List[Tuple[Future, int]] = []  # (write, rows) handed to the writer thread, oldest first
@@ -587,11 +603,11 @@ class ShardWriter:
         if not self.shapes:
             self.shapes = {k: tuple(v.shape[1:]) for k, v in features.items()}
             self.dtypes = {k: v.dtype for k, v in features.items()}
-            self._target_dtype = targets.dtype
+            self.target_dtype = targets.dtype
         if set(features) != set(self.shapes):
             raise ValueError(f"batch has layers {sorted(features)}, earlier batches had {sorted(self.shapes)}")
         arrays = {k: self._conform(f"layer {k!r}", v, self.dtypes[k], self.shapes[k], n) for k, v in features.items()}
-        targets = self._conform("targets", targets, self._target_dtype, None, n)
+        targets = self._conform("targets", targets, self.target_dtype, None, n)
         start = 0
         while start < n:
             rows = min(n - start, self.chunk_threshold - self._filled)

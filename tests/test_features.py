@@ -159,6 +159,43 @@ def test_shards_must_have_the_shape_and_dtype_the_extraction_wrote(tmp_path: Pat
             next(iter_shards(tmp_path, "train", "res5avg"))
 
 
+def test_targets_of_another_dtype_than_the_extraction_wrote_are_refused(tmp_path: Path) -> None:
+    """A targets shard rewritten as float32 (a label 2.5) was read into the first shard's int64 as
+    2, without a word: refused against the status file's targets_dtype, and without a status file
+    (VISSL's shards) because the split's shards disagree. A shard of no rows has nothing to cast."""
+    write_split(tmp_path, "train", np.arange(30), threshold=8, batch=5)
+    good = {"res5avg": {"shape": [4], "dtype": "float32", "targets_dtype": "int64"}}
+    write_extraction_status(tmp_path, "train", "complete", samples=30, layers=good)
+    assert load_features(tmp_path, "train", "res5avg")["targets"].dtype == np.int64
+    # every targets shard rewritten: the shards agree, the status file does not
+    shards = sorted(tmp_path.glob("rank0_chunk*_train_res5avg_targets.npy"))
+    for path in shards:
+        np.save(path, np.load(path).astype(np.float32) + 0.5)
+    says = "rank0_chunk0_train_res5avg holds float32 targets, but the extraction wrote int64"
+    with pytest.raises(FeatureShardError, match=says):
+        load_features(tmp_path, "train", "res5avg")
+    with pytest.raises(FeatureShardError, match=says):
+        next(iter_shards(tmp_path, "train", "res5avg"))
+    # one rewritten, no status file (VISSL's shards): the split's shards disagree
+    status_path(tmp_path, "train").unlink()
+    for path in shards[:-1]:
+        np.save(path, np.load(path).astype(np.int64))
+    last = shards[-1]
+    says = ("rank0_chunk3_train_res5avg holds float32 features and float32 targets, rank0_chunk0_train_res5avg "
+            "float32 and int64")
+    with pytest.raises(FeatureShardError, match=says):
+        load_features(tmp_path, "train", "res5avg")
+    with pytest.raises(FeatureShardError, match=says):
+        next(iter_shards(tmp_path, "train", "res5avg"))
+    # a shard of no rows, of another dtype, beside the others: read (nothing in it to cast)
+    np.save(last, np.load(last).astype(np.int64))
+    for kind, empty in (("features", np.zeros((0, 4), np.float64)), ("targets", np.zeros(0, np.float32)),
+                        ("inds", np.zeros(0, np.int64))):
+        np.save(tmp_path / f"rank1_chunk0_train_res5avg_{kind}.npy", empty)
+    out = load_features(tmp_path, "train", "res5avg")
+    assert out["targets"].dtype == np.int64 and out["features"].dtype == np.float32 and len(out["inds"]) == 30
+
+
 @pytest.mark.parametrize("edit, says", [
     ({"samples": "30"}, "its samples is '30', not a count"),
     ({"samples": None}, "its samples is None, not a count"),
@@ -522,7 +559,7 @@ def test_extraction_with_one_and_two_ranks_gives_the_same_features(pretrained: P
     # the time is a date a reader can read, to the nanosecond (two saves in one second differ)
     assert re.search(r" bytes, modified 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\.\d{9} UTC\)$", weights), weights
     assert status == {"status": "complete", "split": "train", "samples": 101,
-                      "layers": {"res5avg": {"shape": [512], "dtype": "float32"}},
+                      "layers": {"res5avg": {"shape": [512], "dtype": "float32", "targets_dtype": "int64"}},
                       "label_type": "standard"}  # digits: no class folders, no names
     # 101 train samples: rank 0 gets 51 (chunks of 16, 16, 16, 3), rank 1 gets 50 (16, 16, 16, 2)
     for rank, last in ((0, 3), (1, 2)):

@@ -232,7 +232,8 @@ def extract_split(task: Any, split: str, folder: Path) -> Dict[str, Any]:
     finally:
         stop_workers(batches)  # now, also on an error (see stop_workers)
     # every rank's shards are on disk past this point
-    layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k])} for k, v in writer.shapes.items()}
+    layers = {k: {"shape": list(v), "dtype": str(writer.dtypes[k]), "targets_dtype": str(writer.target_dtype)}
+              for k, v in writer.shapes.items()}
     gathered = du.all_gather_object((writer.num_samples, stopped, unreadable, layers))
     if any(stop for _, stop, _, _ in gathered):
         raise preemption.Preempted(

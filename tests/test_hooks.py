@@ -1024,7 +1024,7 @@ def test_stdout_json_drops_the_iterations_a_resumed_run_redoes(tmp_path: Path) -
 
 
 def test_stdout_json_lines_that_are_not_records_at_its_end_are_kept_aside(tmp_path: Path, caplog) -> None:
-    """Text appended to stdout.json (not json, or json that is not an object) hid the lines past
+    """Text appended to stdout.json (not json, or json that is not an iteration record) hid the lines past
     the checkpoint behind it: they stayed, and the resumed run logged those iterations twice. The
     foreign lines go to stdout.json.unreadable with a warning; the stale records are dropped."""
     from types import SimpleNamespace
@@ -1038,16 +1038,17 @@ def test_stdout_json_lines_that_are_not_records_at_its_end_are_kept_aside(tmp_pa
     before = line(0, 1) + line(0, 2)
     path = tmp_path / "stdout.json"
     (tmp_path / "stdout.json.unreadable").write_text("an older one\n")
-    path.write_text(before + line(1, 1) + "garbage \x00 text\n" + line(1, 2) + "[1, 2]\n\n")
+    # a json object that is no iteration record ({"a": 1}, last) hid the foreign lines before it too
+    path.write_text(before + line(1, 1) + "garbage \x00 text\n" + line(1, 2) + "[1, 2]\n\n" + '{"a": 1}\n')
     w = JsonLinesWriter(path)
     w.start()
     with caplog.at_level("WARNING"):
         w.rewind(logged_before(SimpleNamespace(phase_idx=0, _resume_in_phase=False, local_iteration_num=0)))
     w.close()
     assert path.read_text() == before
-    assert (tmp_path / "stdout.json.unreadable.1").read_text() == "garbage \x00 text\n[1, 2]\n"
+    assert (tmp_path / "stdout.json.unreadable.1").read_text() == 'garbage \x00 text\n[1, 2]\n{"a": 1}\n'
     assert (tmp_path / "stdout.json.unreadable").read_text() == "an older one\n"
-    assert "stdout.json: 2 line(s) at its end are not iteration records and are left out; they are kept as " \
+    assert "stdout.json: 3 line(s) at its end are not iteration records and are left out; they are kept as " \
            "stdout.json.unreadable.1" in caplog.text
 
 

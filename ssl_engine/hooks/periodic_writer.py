@@ -116,9 +116,22 @@ def lines_from_end(fd: int, end: int, block: int = 65536) -> Iterator[Tuple[int,
         stop, carry = start, data[:line_end]
 
 
+def is_iteration_record(record: Any) -> bool:
+    """Whether a json value is one of stdout.json's lines: a dict with a phase number, which every
+    logged line carries (``{"a": 1}`` appended by something else is not)."""
+    if not isinstance(record, dict):
+        return False
+    try:
+        int(record["phase_idx"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
 def drop_trailing_records(fd: int, keep: Callable[[Dict[str, Any]], bool]) -> Tuple[int, bytes]:
     """Cut the file's trailing json lines for which ``keep`` is False: (how many records, the
-    bytes of the lines among them that are not json records, e.g. text something else appended).
+    bytes of the lines among them that are not iteration records, e.g. text something else
+    appended, or a json object after the last record).
 
     Stops at the first record from the end that is kept, so lines before it are never touched;
     the cut is one ftruncate, made durable before the run appends again.
@@ -130,8 +143,8 @@ def drop_trailing_records(fd: int, keep: Callable[[Dict[str, Any]], bool]) -> Tu
             record = json.loads(line)
         except ValueError:
             record = None
-        if isinstance(record, dict):
-            if keep(record):
+        if is_iteration_record(record) or (isinstance(record, dict) and dropped):
+            if keep(record):  # an object of someone else's between records stays, with what is before it
                 break
             dropped += 1
         elif line.strip():

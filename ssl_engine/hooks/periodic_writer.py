@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 # Linux reports the process's peak RSS for RUSAGE_THREAD too (the memory map is shared), without
-# RUSAGE_SELF's sum of every thread's CPU time: inside a training loop that sum stalled the log
-# line for a scheduler tick (3.5 ms) in one call of ten, against 2 us for RUSAGE_THREAD
+# RUSAGE_SELF's sum of every thread's CPU time: with every core busy (loader workers) that sum
+# stalled the log line for about 4 ms in one call of ten inside a training loop, against 2 us
 _RUSAGE_PEAK = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 _MAXRSS_PER_MB = 2**20 if sys.platform == "darwin" else 1024.0  # macOS gives bytes, Linux kilobytes
 

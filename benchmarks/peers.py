@@ -6,7 +6,8 @@ Each is written the way its documentation shows a classification loop: the same 
 (``DataLoader(TensorDataset)``), SGD, cross entropy, top-1 accuracy on every batch of train and
 test phases, a test pass after every epoch, no checkpoints, logging or progress bars. Each
 records the end of every iteration as ``(phase_idx, train, perf_counter())``, with train phase
-``2 * epoch`` and its test phase ``2 * epoch + 1``, like the engine's step clock.
+``2 * epoch`` and its test phase ``2 * epoch + 1``, like the engine's step clock, into the
+``steps`` list it is given (a paired run's, see common.run_paired) or a new one.
 """
 
 import importlib.util
@@ -49,11 +50,13 @@ def classy_train(
     batch_size: int,
     epochs: int,
     lr: float = 0.1,
+    steps: Optional[List[Step]] = None,
 ) -> Dict[str, Any]:
     """Train ``model`` with classy_vision's ClassificationTask + LocalTrainer, a test phase per epoch.
 
     ``train`` / ``test`` are (x, y) tensors. Returns the end-of-iteration timestamps
-    ``[(phase_idx, train, t)]`` and the wall time of ``LocalTrainer.train``.
+    ``[(phase_idx, train, t)]`` (appended to ``steps`` when given) and the wall time of
+    ``LocalTrainer.train``.
     """
     from classy_vision.dataset import ClassyDataset
     from classy_vision.hooks import ClassyHook
@@ -65,7 +68,7 @@ def classy_train(
     from classy_vision.tasks import ClassificationTask
     from classy_vision.trainer import LocalTrainer
 
-    steps: List[Step] = []
+    steps = [] if steps is None else steps
 
     class Clock(ClassyHook):
         on_start = ClassyHook._noop
@@ -101,7 +104,8 @@ def classy_train(
 
 
 def ignite_train(
-    model: torch.nn.Module, train: Any, test: Any, batch_size: int, epochs: int, lr: float = 0.1
+    model: torch.nn.Module, train: Any, test: Any, batch_size: int, epochs: int, lr: float = 0.1,
+    steps: Optional[List[Step]] = None,
 ) -> Optional[Dict[str, Any]]:
     """Ignite's ``create_supervised_trainer`` / ``create_supervised_evaluator`` with an Accuracy
     metric on both; ``None`` when pytorch-ignite is not installed."""
@@ -110,7 +114,7 @@ def ignite_train(
     from ignite.engine import Events, create_supervised_evaluator, create_supervised_trainer
     from ignite.metrics import Accuracy, Loss
 
-    steps: List[Step] = []
+    steps = [] if steps is None else steps
     train_loader = plain.tensor_loader(*train, batch_size, shuffle=True)
     test_loader = plain.tensor_loader(*test, batch_size, shuffle=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0)
@@ -138,7 +142,8 @@ def ignite_train(
 
 
 def lightning_train(
-    model: torch.nn.Module, train: Any, test: Any, batch_size: int, epochs: int, lr: float = 0.1
+    model: torch.nn.Module, train: Any, test: Any, batch_size: int, epochs: int, lr: float = 0.1,
+    steps: Optional[List[Step]] = None,
 ) -> Optional[Dict[str, Any]]:
     """A ``LightningModule`` (loss and torchmetrics accuracy per batch, logged per epoch) and a
     CPU ``Trainer`` with a validation pass every epoch; ``None`` when lightning is not installed."""
@@ -147,7 +152,7 @@ def lightning_train(
     import lightning as L
     from torchmetrics.classification import MulticlassAccuracy
 
-    steps: List[Step] = []
+    steps = [] if steps is None else steps
     num_classes = int(max(int(train[1].max()), int(test[1].max())) + 1)
 
     class Module(L.LightningModule):

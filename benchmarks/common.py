@@ -258,11 +258,33 @@ def run_paired(first: Callable[[List[Step]], Dict[str, Any]],
             t.join()
     finally:
         if saved:
-            os.sched_setaffinity(0, saved)
+            restore_affinity(saved)
     for out in outs:
         if "error" in out:
             raise out["error"]
     return outs[0]["result"], outs[1]["result"]
+
+
+def restore_affinity(mask: Any) -> None:
+    """Give every thread of this process, and every child process, the CPUs of ``mask``.
+
+    A thread or process started during a paired run inherits its one CPU and keeps it (the
+    engine's checkpoint writer thread lives as long as the process; a fork server started then
+    would hand the CPU down to every later loader worker): left so, the later workloads'
+    background writes and workers would all share one CPU.
+    """
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        ids = [int(tid)]
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                ids += [int(pid) for pid in f.read().split()]
+        except OSError:
+            pass
+        for i in ids:
+            try:
+                os.sched_setaffinity(i, mask)
+            except OSError:  # a thread or process that has just ended
+                pass
 
 
 # ----------------------------------------------------------------------------- data

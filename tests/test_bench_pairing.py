@@ -80,18 +80,27 @@ def test_an_error_in_either_loop_reaches_the_caller_without_a_hang():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this platform")
-def test_both_loops_run_on_one_cpu_and_the_callers_affinity_is_restored():
+def test_both_loops_run_on_one_cpu_and_every_thread_gets_its_cpus_back():
     before = os.sched_getaffinity(0)
     seen: List[Any] = []
+    stop = threading.Event()
+    started: List[threading.Thread] = []
 
     def probe(steps: List[Any]) -> Dict[str, Any]:
         seen.append(os.sched_getaffinity(0))
+        # a thread that outlives the loop, as the engine's checkpoint writer does
+        started.append(threading.Thread(target=stop.wait, daemon=True))
+        started[-1].start()
         steps.append((0, True, 0.0))
         return {"steps": steps}
 
-    run_paired(probe, probe)
-    assert seen == [{min(before)}, {min(before)}]
-    assert os.sched_getaffinity(0) == before
+    try:
+        run_paired(probe, probe)
+        assert seen == [{min(before)}, {min(before)}]
+        assert os.sched_getaffinity(0) == before
+        assert [os.sched_getaffinity(t.native_id) for t in started] == [before, before]
+    finally:
+        stop.set()
 
 
 def test_the_baton_never_makes_a_side_wait_for_a_finished_one():

@@ -249,16 +249,25 @@ def run_paired(first: Callable[[List[Step]], Dict[str, Any]],
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if saved:
         os.sched_setaffinity(0, {min(saved)})  # this thread's; the loops' threads inherit it
+    threads = [threading.Thread(target=run, args=(side, loop), name=f"bench-paired-{side}", daemon=True)
+               for side, loop in enumerate((first, second))]
+    start_error: Optional[BaseException] = None
     try:
-        threads = [threading.Thread(target=run, args=(side, loop), name=f"bench-paired-{side}", daemon=True)
-                   for side, loop in enumerate((first, second))]
+        for side, t in enumerate(threads):
+            try:
+                t.start()
+            except BaseException as e:  # e.g. no thread can be started: the other side must not wait for it
+                baton.finish(side)
+                start_error = e
+                break
         for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+            if t.ident is not None:
+                t.join()
     finally:
         if saved:
             restore_affinity(saved)
+    if start_error is not None:
+        raise start_error
     for out in outs:
         if "error" in out:
             raise out["error"]
@@ -266,23 +275,32 @@ def run_paired(first: Callable[[List[Step]], Dict[str, Any]],
 
 
 def restore_affinity(mask: Any) -> None:
-    """Give every thread of this process, and every child process, the CPUs of ``mask``.
+    """Give every thread of this process, and of every process below it, the CPUs of ``mask``
+    (the CPUs the caller had before the pair).
 
     A thread or process started during a paired run inherits its one CPU and keeps it (the
     engine's checkpoint writer thread lives as long as the process; a fork server started then
     would hand the CPU down to every later loader worker): left so, the later workloads'
     background writes and workers would all share one CPU.
     """
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
-        ids = [int(tid)]
+    if not os.path.isdir("/proc/self/task"):
+        os.sched_setaffinity(0, mask)
+        return
+    pending, seen = ["self"], set()
+    while pending:
+        pid = pending.pop()
         try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                ids += [int(pid) for pid in f.read().split()]
-        except OSError:
-            pass
-        for i in ids:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # a process that has just ended
+            continue
+        for tid in tids:
+            if tid in seen:
+                continue
+            seen.add(tid)
             try:
-                os.sched_setaffinity(i, mask)
+                os.sched_setaffinity(int(tid), mask)
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    pending.extend(f.read().split())
             except OSError:  # a thread or process that has just ended
                 pass
 

@@ -103,8 +103,31 @@ def test_both_loops_run_on_one_cpu_and_every_thread_gets_its_cpus_back():
         stop.set()
 
 
+def in_thread(fn: Any, timeout: float = 10.0) -> bool:
+    """Run ``fn`` in a thread; whether it returned within ``timeout`` seconds."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive()
+
+
 def test_the_baton_never_makes_a_side_wait_for_a_finished_one():
     baton = Baton()
-    baton.finish(1)
-    baton.hand_over(0)  # returns at once: side 1 is done
-    baton.wait_turn(0)
+    baton.finish(0)  # side 0 ended while it held the turn: the turn passed to side 1
+    baton._turn = 0  # as if side 1 had handed it back just before: only "side 0 is done" lets side 1 go
+    assert in_thread(lambda: baton.hand_over(1)), "hand_over waited for a side that had finished"
+    assert in_thread(lambda: baton.wait_turn(1)), "wait_turn waited for a side that had finished"
+    assert baton._turn == 0  # a hand-over to a finished side changes nothing
+
+
+def test_a_loop_that_fails_before_its_first_iteration_lets_the_other_run_alone():
+    clock, order = FakeClock(), []
+
+    def broken(steps: List[Any]) -> Dict[str, Any]:
+        raise ValueError("no data")
+
+    for first, second in ((broken, loop("b", clock, 1.0, 4, order)), (loop("a", clock, 1.0, 4, order), broken)):
+        done: List[Any] = []
+        assert in_thread(lambda: done.append(pytest.raises(ValueError, run_paired, first, second)), timeout=30)
+        assert "no data" in str(done[0].value)
+    assert order == ["b"] * 4 + ["a"] * 4

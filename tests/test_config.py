@@ -1432,3 +1432,31 @@ def test_torchs_own_info_lines_stay_out_of_the_log(tmp_path):
     finally:
         setup_logging(0, None)
         torch_log.setLevel(before)
+
+
+def test_a_yaml_key_written_with_dots_is_named_as_such(tmp_path):
+    """`MODEL.TRUNK.NAME: resnet` in a yaml file is one key with dots in its name, not the nested
+    option: it was 'unknown config key config.MODEL.TRUNK.NAME (closest: config.SLURM.NAME)', naming
+    a key that exists; under config.LOSS a dotted key holding a mapping was kept as a user loss's
+    options, so `simclr_info_nce_loss.buffer_params: {...}` was dropped without a word."""
+    path = write_yaml(tmp_path, "dotted.yaml", """\
+        # @package _global_
+        config:
+          MODEL.TRUNK.NAME: mlp
+        """)
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={path}"])
+    assert str(e.value) == ("config.MODEL.TRUNK.NAME: the yaml key 'MODEL.TRUNK.NAME' under config holds dots, which "
+                            "yaml reads as part of one key's name, not as nested sections; nest it (MODEL: {TRUNK: "
+                            "{NAME: 'mlp'}}) or give it on the command line as config.MODEL.TRUNK.NAME=...")
+    path = write_yaml(tmp_path, "dotted_loss.yaml", """\
+        # @package _global_
+        config:
+          LOSS:
+            simclr_info_nce_loss.buffer_params: {embedding_dim: 32}
+        """)
+    with pytest.raises(ConfigError, match=r"^config\.LOSS\.simclr_info_nce_loss\.buffer_params: the yaml key "
+                                          r"'simclr_info_nce_loss\.buffer_params' under config\.LOSS holds dots.*"
+                                          r"nest it \(simclr_info_nce_loss: \{buffer_params: \.\.\.\}\)"):
+        compose(["config=quick/simclr_synthetic", f"config={path}"])
+

@@ -248,6 +248,16 @@ def _coerce(path: str, value: Any, default: Any, nullable: bool = False) -> Any:
     return value
 
 
+def _nested_example(dotted: str, value: Any) -> str:
+    """``A.B.C`` with ``value`` as the nested yaml a file writes it as: ``A: {B: {C: value}}``."""
+    shown = show_value(value) if not isinstance(value, (dict, list)) else "..."
+    parts = [p for p in dotted.split(".") if p]
+    text = f"{parts[-1]}: {shown}"
+    for part in reversed(parts[:-1]):
+        text = f"{part}: {{{text}}}"
+    return text
+
+
 class _Walker:
     """Merges a composed tree over the defaults, collecting unknown and [compat] keys."""
 
@@ -279,6 +289,15 @@ class _Walker:
                     log.warning("config key %s is not a known option; added as asked (with '+', or on a yaml file's "
                                 "'# added keys:' line)", kpath)
                     out[key] = value
+                elif isinstance(key, str) and "." in key.strip("."):
+                    # yaml reads `MODEL.TRUNK.NAME: resnet` as one key named with dots, never as the
+                    # nested option: say so, instead of "unknown key config.MODEL.TRUNK.NAME" (which
+                    # exists) with the closest names of other sections
+                    self.wrong.append(
+                        f"{kpath}: the yaml key {key!r} under {path} holds dots, which yaml reads as part of one "
+                        f"key's name, not as nested sections; nest it ({_nested_example(key, value)}) or give it on "
+                        f"the command line as {kpath}=...")
+                    self.wrong_keys.append(kpath)
                 elif path in _OPEN_PARENTS and isinstance(value, dict) and not _near_miss(str(key), default):
                     out[key] = value  # options of a user-registered trunk/loss/meter, checked by its owner
                 elif path and self.is_compat(path):

@@ -250,6 +250,26 @@ def test_disk_folder_symlink_loops_are_skipped_and_other_links_followed(tmp_path
     assert f"first {str(root / 'a' / 'loop')!r} -> {str(root)!r}" in warnings[0]
 
 
+def test_disk_folder_class_links_that_loop_are_skipped_like_dangling_ones(tmp_path: Any, caplog: Any) -> None:
+    """A link in the top folder that cannot be followed (``c -> c``, or ``d -> e -> d``: ELOOP) is
+    no class, as a dangling link is none, and is named in the loop warning; os.scandir's is_dir
+    raised OSError for it, a traceback and exit 1 from the tool."""
+    root = tmp_path / "imgs"
+    write_image_tree(str(root), {"a": 2, "b": 1})
+    os.symlink("c", root / "c")
+    os.symlink("e", root / "d")
+    os.symlink("d", root / "e")
+    os.symlink("nowhere", root / "f")  # dangling: no class, no warning (as before)
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(root)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.sources"):
+        ds = build_dataset(cfg, "TRAIN")
+    assert ds.sources[0].classes == ["a", "b"]
+    assert ds.get_labels().tolist() == [0, 0, 1]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "config.DATA.TRAIN.DATA_PATHS[0]: skipped 3 symlink(s)" in warnings[0], warnings
+    assert f"first {str(root / 'c')!r}" in warnings[0]
+
+
 def test_disk_folder_class_folders_that_are_one_folder_are_named_in_a_warning(tmp_path: Any, caplog: Any) -> None:
     """A class folder that is a link to another class folder reads its images under both labels
     (as ImageFolder does): a warning names the classes, which was silent."""

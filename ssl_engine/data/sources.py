@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
@@ -261,10 +261,28 @@ def _walk_images(top: str, chain: FrozenSet[Tuple[int, int]], skipped: List[str]
     return sorted(found, key=lambda entry: entry[0])
 
 
-def class_folders(path: str) -> List[str]:
+def _is_dir_entry(entry: "os.DirEntry[str]", loops: Optional[List[str]] = None) -> bool:
+    """``entry.is_dir()``, following symlinks, except that a link that cannot be followed (a loop,
+    ``c -> c``: ELOOP, which ``is_dir`` raises where it returns False for a dangling link) is no
+    folder either; it is appended to ``loops``."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        if loops is not None:
+            loops.append(entry.path)
+        return False
+
+
+def class_folders(path: str, loops: Optional[List[str]] = None) -> List[str]:
     """The class names of a class-per-subfolder tree: its subfolders, sorted; a class's label id
-    is its position (torchvision's ImageFolder numbering)."""
-    return sorted(e.name for e in os.scandir(path) if e.is_dir())
+    is its position (torchvision's ImageFolder numbering). A symlink that cannot be followed (a
+    loop) is not a class, like a dangling one; it is appended to ``loops``."""
+    found: List[str] = []
+    with os.scandir(path) as entries:
+        names = sorted(e.name for e in entries if _is_dir_entry(e, found))
+    if loops is not None:
+        loops.extend(sorted(found))
+    return names
 
 
 def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) -> Tuple[List[str], np.ndarray, List[str]]:
@@ -277,9 +295,9 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
     """
     _check_dir(path, split, source_index)
     key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
-    classes = class_folders(path)
-    root_chain = frozenset([_folder_id(path)])
     skipped: List[str] = []
+    classes = class_folders(path, skipped)
+    root_chain = frozenset([_folder_id(path)])
     paths: List[str] = []
     labels: List[int] = []
     same: Dict[str, List[str]] = {}
@@ -294,7 +312,8 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
             labels.extend([label] * len(names))
     if skipped:
         logger.warning(
-            "%s: skipped %d symlink(s) that lead back to a folder on their own path (a loop), first %r -> %r",
+            "%s: skipped %d symlink(s) that form a loop (lead back to a folder on their own path, or to themselves), "
+            "first %r -> %r",
             key, len(skipped), skipped[0], os.path.realpath(skipped[0]),
         )
     if not paths:

@@ -250,6 +250,25 @@ def test_disk_folder_symlink_loops_are_skipped_and_other_links_followed(tmp_path
     assert f"first {str(root / 'a' / 'loop')!r} -> {str(root)!r}" in warnings[0]
 
 
+@pytest.mark.parametrize("name", ["gray16.png", "gray16.tif", "gray16be.tif"])
+def test_sixteen_bit_grayscale_images_keep_their_high_byte(tmp_path: Any, name: str) -> None:
+    """A 16-bit grayscale PNG or TIFF (Pillow's mode I;16) reads as its high byte in R = G = B,
+    as Pillow reads a 16-bit RGB PNG; Pillow's convert("RGB") clipped it at 255, so every pixel
+    above 255 of 65535 came out white, without a word."""
+    values = (np.arange(16 * 16, dtype=np.uint16).reshape(16, 16) * 257)  # 0 .. 65535
+    img = Image.fromarray(values)
+    if name.endswith("be.tif"):  # big-endian samples (Pillow's convert("I;16B") would clip them too)
+        img = Image.frombytes("I;16B", (16, 16), values.astype(">u2").tobytes())
+    (tmp_path / "a").mkdir()
+    img.save(tmp_path / "a" / name)
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(tmp_path)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
+    got = np.asarray(build_dataset(cfg, "TRAIN").sources[0].get(0))
+    assert got.shape == (16, 16, 3) and got.dtype == np.uint8
+    expected = (values >> 8).astype(np.uint8)
+    for channel in range(3):
+        np.testing.assert_array_equal(got[:, :, channel], expected)
+
+
 def test_disk_folder_class_links_that_loop_are_skipped_like_dangling_ones(tmp_path: Any, caplog: Any) -> None:
     """A link in the top folder that cannot be followed (``c -> c``, or ``d -> e -> d``: ELOOP) is
     no class, as a dangling link is none, and is named in the loop warning; os.scandir's is_dir

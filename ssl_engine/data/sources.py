@@ -59,13 +59,26 @@ def data_key(split: str, key: str) -> str:
     return f"config.DATA.{split}.{key}"
 
 
+_SIXTEEN_BIT_GRAY = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """``img`` in RGB. A 16-bit grayscale image (a 16-bit PNG or TIFF: mode ``I;16``) keeps its
+    high byte, as Pillow makes a 16-bit RGB PNG 8-bit; Pillow's own ``convert`` clips it at 255
+    instead, which turns an image spanning 0..65535 white but for its darkest pixels."""
+    if img.mode in _SIXTEEN_BIT_GRAY:
+        high = (np.asarray(img).astype(np.uint16) >> 8).astype(np.uint8)
+        return Image.fromarray(np.repeat(high[:, :, None], 3, axis=2), mode="RGB")
+    return img.convert("RGB")
+
+
 def open_rgb(path: str) -> Image.Image:
     """Open ``path`` with PIL, decode it fully and convert to RGB; ``UnreadableImageError`` if not."""
     try:
         with open(path, "rb") as f:
             img = Image.open(f)
             img.load()
-            return img.convert("RGB")
+            return _to_rgb(img)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise UnreadableImageError(path, f"{type(exc).__name__}: {exc}") from exc
 

@@ -1305,7 +1305,7 @@ def test_a_leading_tilde_is_the_home_folder_in_every_path_key(tmp_path):
     assert "config.CHECKPOINT.DIR=\"~/runs/b\"" in err[0] and "$HOME" in err[0]
 
 
-def test_a_yaml_file_saved_with_a_byte_order_mark(tmp_path):
+def test_a_yaml_file_saved_with_a_byte_order_mark(tmp_path, monkeypatch):
     """Windows editors may save UTF-8 with a BOM: the file config= names is read without it; a file
     hydra reads itself (from a config folder) is one line that says what to do, not 'lacks the header'."""
     bom = b"\xef\xbb\xbf"
@@ -1316,10 +1316,13 @@ def test_a_yaml_file_saved_with_a_byte_order_mark(tmp_path):
     declared = tmp_path / "declared.yaml"  # its '# added keys:' line is read past the BOM too
     declared.write_bytes(bom + b"# @package _global_\n# added keys: config.MY_OWN_KEY\nconfig:\n  MY_OWN_KEY: 3\n")
     assert compose([f"config={declared}"], warn_unused=False).MY_OWN_KEY == 3
-    (tmp_path / "config").mkdir()
-    (tmp_path / "config" / "shared.yaml").write_bytes(bom + body)
+    (tmp_path / "configs" / "config").mkdir(parents=True)
+    (tmp_path / "configs" / "config" / "shared.yaml").write_bytes(bom + body)
+    monkeypatch.chdir(tmp_path)  # ./configs/config is on the search path
     with pytest.raises(ConfigError, match=r"shared.yaml starts with a UTF-8 byte order mark .* without BOM"):
-        compose([f"config={tmp_path / 'config' / 'shared'}"], warn_unused=False)
+        compose(["config=shared"], warn_unused=False)
+    # named by its path (without .yaml), it is the file config= names: read without its BOM
+    assert compose([f"config={tmp_path / 'configs' / 'config' / 'shared'}"], warn_unused=False).OPTIMIZER.num_epochs == 3
 
 
 def test_an_override_into_a_section_a_yaml_file_set_to_a_value_names_that_value(tmp_path):
@@ -1460,3 +1463,22 @@ def test_a_yaml_key_written_with_dots_is_named_as_such(tmp_path):
                                           r"nest it \(simclr_info_nce_loss: \{buffer_params: \.\.\.\}\)"):
         compose(["config=quick/simclr_synthetic", f"config={path}"])
 
+
+def test_config_given_as_a_path_without_its_yaml_ending(tmp_path, monkeypatch):
+    """config=/path/exp (VISSL names experiments without .yaml) where /path/exp.yaml exists reads
+    that file; it was hydra's "Could not find 'config//path/exp'" listing unrelated options. A path
+    that names nothing says so, instead of advising a folder holding config//path/exp.yaml."""
+    write_yaml(tmp_path, "exp.yaml", """\
+        # @package _global_
+        config:
+          LOG_FREQUENCY: 7
+        """)
+    assert compose([f"config={tmp_path / 'exp'}"]).LOG_FREQUENCY == 7
+    monkeypatch.chdir(tmp_path)
+    assert compose(["config=./exp"]).LOG_FREQUENCY == 7
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={tmp_path / 'exq'}"])
+    assert str(e.value) == f"config={tmp_path / 'exq'}: no such file (nor with .yaml added); nearest in {tmp_path}: exp.yaml"
+    with pytest.raises(ConfigError, match=r"^config=exp matches no file under .*; the file exp\.yaml is named by its "
+                                          r"path: config=\./exp\.yaml; the search path is"):
+        compose(["config=exp"])

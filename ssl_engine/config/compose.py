@@ -78,6 +78,29 @@ def own_config_tree(experiment: Optional[str]) -> Optional[Path]:
     return None
 
 
+def _written_as_path(text: str) -> bool:
+    """``config=`` written as a path of the file system, not as a name in the config search path."""
+    return text.startswith(("/", "~", "./", "../")) or text in (".", "..")
+
+
+def with_yaml_ending(value: str) -> str:
+    """``config=`` given as a path to a yaml file without its ending (``config=/data/exp/simclr``,
+    as VISSL names experiments without ``.yaml``): the path with ``.yaml`` (or ``.yml``) added
+    where that file exists. Only for a value written as a path (absolute, ``~``, ``./``, ``../``),
+    which no experiment name of the config search path can be; anything else is returned as is."""
+    text = value.strip()
+    if text.endswith((".yaml", ".yml", "/")) or not _written_as_path(text):
+        return value
+    try:
+        path = expand_user(text, "config")
+    except ConfigError:
+        return value  # said where the value is read as a path
+    for ending in (".yaml", ".yml"):
+        if Path(f"{path}{ending}").is_file() and not path.is_file() and not path.is_dir():
+            return f"{text}{ending}"
+    return value
+
+
 def known_experiments() -> List[str]:
     """Every experiment name that ``config=`` accepts, e.g. quick/simclr_digits."""
     names = set()
@@ -467,8 +490,16 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
     if as_path.is_file():  # the user's file, without the ending a config file is known by
         raise ConfigError(f"config={value} is a file without a .yaml ending: a config file outside the config folders "
                           f"is read by its path ending in .yaml (or .yml); rename it to {as_path.name}.yaml")
+    if _written_as_path(value):  # not a name of the search path: no file there would be found
+        ending = "" if value.endswith((".yaml", ".yml")) else " (nor with .yaml added)"
+        near = sorted(p.name for p in as_path.parent.glob("*.y*ml") if p.is_file()) if as_path.parent.is_dir() else []
+        near = closest(as_path.name + (".yaml" if ending else ""), near, n=3)
+        hint = f"; nearest in {as_path.parent}: {', '.join(near)}" if near else ""
+        raise ConfigError(f"config={value}: no such file{ending}{hint}")
     near = closest(name, known_experiments(), n=3)
     hint = f"; nearest: {', '.join(near)}" if near else ""
+    if not name.endswith("/") and as_path.with_name(as_path.name + ".yaml").is_file():
+        hint += f"; the file {as_path}.yaml is named by its path: config=./{name}.yaml"
     dirs = ", ".join(str(d / "config") for d in config_search_dirs()) or "(no configs/config folder found)"
     raise ConfigError(f"config={value} matches no file under {dirs}{hint}; {search_path_note(f'config/{name}.yaml')}")
 
@@ -732,6 +763,8 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     remove_stale_scratch_folders()
     with tempfile.TemporaryDirectory(prefix=scratch_folder_prefix(os.getpid())) as tmpdir:
         extra_dirs: List[Path] = []
+        overrides = [f"config={with_yaml_ending(i.partition('=')[2])}" if i.partition("=")[0] == "config" else i
+                     for i in overrides]
         given = [i.partition("=")[2] for i in overrides if i.partition("=")[0] == "config"]
         search_dirs = config_search_dirs(own_config_tree(given[-1] if given else None))
         for item in overrides:

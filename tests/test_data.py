@@ -456,6 +456,58 @@ def test_filelist_txt_not_utf8_whose_names_do_not_exist_names_the_byte(tmp_path:
         build_dataset(_filelist_cfg(tmp_path, str(labels)), "TRAIN")
 
 
+def _filelist_cfg(data: str, labels: str) -> AttrDict:
+    return make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[data], LABEL_SOURCES=["disk_filelist"],
+                    LABEL_PATHS=[labels], DATA_LIMIT=-1)
+
+
+def test_filelist_path_that_is_a_pipe_a_device_or_a_bad_link_says_which(tmp_path: Any) -> None:
+    """A list or label path that exists but is no regular file (a named pipe, /dev/null), or a
+    symlink that loops or leads nowhere, is named as such; each was "file ... does not exist"."""
+    write_image_tree(str(tmp_path / "imgs"), {"a": 2})
+    images = [str(tmp_path / "imgs" / "a" / f"img{i}.png") for i in range(2)]
+    np.save(tmp_path / "images.npy", np.array(images))
+    np.save(tmp_path / "labels.npy", np.array([0, 1]))
+    os.mkfifo(tmp_path / "pipe.npy")
+    os.symlink("loop.npy", tmp_path / "loop.npy")
+    os.symlink(str(tmp_path / "gone.npy"), tmp_path / "dangling.npy")
+    cases = [
+        (str(tmp_path / "pipe.npy"), str(tmp_path / "labels.npy"),
+         f"config.DATA.TRAIN.DATA_PATHS[0]: {str(tmp_path / 'pipe.npy')!r} is not a regular file"),
+        ("/dev/null", str(tmp_path / "labels.npy"), "config.DATA.TRAIN.DATA_PATHS[0]: '/dev/null' is not a regular file"),
+        (str(tmp_path / "images.npy"), str(tmp_path / "loop.npy"),
+         f"config.DATA.TRAIN.LABEL_PATHS[0]: file {str(tmp_path / 'loop.npy')!r} is a symlink loop"),
+        (str(tmp_path / "images.npy"), str(tmp_path / "dangling.npy"),
+         f"config.DATA.TRAIN.LABEL_PATHS[0]: file {str(tmp_path / 'dangling.npy')!r} is a symlink to "
+         f"{str(tmp_path / 'gone.npy')!r}, which does not exist"),
+    ]
+    for data, labels, message in cases:
+        with pytest.raises(UserError) as info:
+            build_dataset(_filelist_cfg(data, labels), "TRAIN")
+        assert message in str(info.value), str(info.value)
+    os.symlink("folder_loop", tmp_path / "folder_loop")
+    with pytest.raises(UserError, match="folder .*folder_loop' is a symlink loop"):
+        build_dataset(make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(tmp_path / "folder_loop")],
+                               LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1), "TRAIN")
+
+
+def test_a_named_pipe_as_the_file_list_is_one_line_through_the_tool(tmp_path: Any) -> None:
+    """Through the tool (whose config check sees that the path exists): exit 2, one line saying
+    the pipe is not a regular file, instead of one saying that it does not exist."""
+    from conftest import run_tool
+
+    os.mkfifo(tmp_path / "pipe.npy")
+    proc = run_tool(["config=quick/supervised_digits", "config.OPTIMIZER.num_epochs=1", "config.TEST_MODEL=false",
+                     "config.MODEL.TRUNK.NAME=mlp", "config.MODEL.TRUNK.MLP.DIMS=[3072,16]",
+                     "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,10]}]]", "config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                     "config.DATA.TRAIN.LABEL_SOURCES=[]", f"config.DATA.TRAIN.DATA_PATHS=[{tmp_path / 'pipe.npy'}]",
+                     f"config.CHECKPOINT.DIR={tmp_path / 'run'}"], timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err[-3000:]
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"{str(tmp_path / 'pipe.npy')!r} is not a regular file" in err, err
+
+
 def test_filelist_path_that_is_a_folder_says_so(tmp_path: Any) -> None:
     cfg = _filelist_cfg(tmp_path, str(tmp_path / "imgs"))
     with pytest.raises(UserError, match=r"LABEL_PATHS\[0\]: '.*imgs' is a folder; the disk_filelist label source "

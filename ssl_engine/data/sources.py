@@ -20,6 +20,7 @@ order and augmentation depend only on (seed, epoch, sample index) (DESIGN rule 8
 """
 
 import codecs
+import errno
 import functools
 import logging
 import os
@@ -224,12 +225,25 @@ class DigitsSource:
         return img.convert("RGB")
 
 
+def _why_missing(path: str, what: str) -> str:
+    """Why ``path``, which ``os.path.exists`` denies, cannot be read: a symlink that leads
+    nowhere or loops, or nothing there at all (``what`` names what was expected: "folder", "file")."""
+    if os.path.islink(path):
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return f"{what} {path!r} is a symlink loop (it leads back to itself)"
+        return f"{what} {path!r} is a symlink to {os.path.realpath(path)!r}, which does not exist"
+    return f"{what} {path!r} does not exist"
+
+
 def _check_dir(path: str, split: str, source_index: int) -> None:
     key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
     if not path:
         raise UserError(f"{key} is missing: the disk_folder source needs a folder path")
     if not os.path.exists(path):
-        raise UserError(f"{key}: folder {path!r} does not exist")
+        raise UserError(f"{key}: {_why_missing(path, 'folder')}")
     if not os.path.isdir(path):
         raise UserError(f"{key}: {path!r} is not a folder (disk_folder expects one subfolder per class)")
 
@@ -393,8 +407,11 @@ def load_list_file(path: str, what: str, key: str, mmap: bool = False, entries: 
             f"{key}: {path!r} is a folder; {what} expects a .npy or .txt file listing {entries}, one per image "
             f"(for a folder with one subfolder per class, use the disk_folder source in {sources_key})"
         )
-    if not os.path.isfile(path):
-        raise UserError(f"{key}: file {path!r} does not exist")
+    if not os.path.exists(path):
+        raise UserError(f"{key}: {_why_missing(path, 'file')}")
+    if not os.path.isfile(path):  # a device, a named pipe (which would block np.load), a socket
+        raise UserError(f"{key}: {path!r} is not a regular file; {what} expects a .npy or .txt file listing "
+                        f"{entries}, one per image")
     if os.path.getsize(path) == 0:
         raise UserError(
             f"{key}: {path!r} is empty (0 bytes); expected a .npy array of {entries} or a .txt list, one per line"

@@ -1482,3 +1482,20 @@ def test_config_given_as_a_path_without_its_yaml_ending(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^config=exp matches no file under .*; the file exp\.yaml is named by its "
                                           r"path: config=\./exp\.yaml; the search path is"):
         compose(["config=exp"])
+
+
+def test_an_overlay_given_as_a_path_says_a_group_option_is_a_name(tmp_path):
+    """+config/<group>=/abs/file.yaml: the path was joined onto each group folder, which gives the
+    path itself, so it passed the check and hydra failed with "Could not find 'config/models//abs/...'"."""
+    tree = tmp_path / "tree" / "config"
+    (tree / "models").mkdir(parents=True)
+    write_yaml(tree / "models", "m.yaml", "# @package _global_\nconfig:\n  LOG_FREQUENCY: 5\n")
+    experiment = write_yaml(tree, "e.yaml", "# @package _global_\nconfig:\n  LOG_FREQUENCY: 9\n")
+    assert compose([f"config={experiment}", "+config/models=m"]).LOG_FREQUENCY == 5
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={experiment}", f"+config/models={tree / 'models' / 'm.yaml'}"])
+    assert str(e.value) == (f"+config/models={tree / 'models' / 'm.yaml'} is a path, but a group's option is the name "
+                            f"of a yaml file in it (config/models/<name>.yaml of the config search path; options there: "
+                            f"m); for a yaml file elsewhere use config=/path/to/file.yaml, or list it in a file's 'defaults:'")
+    with pytest.raises(ConfigError, match=r"^\+config/models= names no file \(.*options there: m\)"):
+        compose([f"config={experiment}", "+config/models="])

@@ -539,12 +539,18 @@ def _resolve_overlay(group: str, value: str, search_dirs: Optional[List[Path]] =
         raise ConfigError(f"+{group}={value}: a config group is a folder of the config search path, without '..'; "
                           f"for a yaml file elsewhere use config=/path/to/file.yaml, or list it in a file's "
                           f"'defaults:', or set SSL_ENGINE_CONFIG_DIR to a folder holding config/<group>/<name>.yaml")
+    options = sorted({p.stem for d in dirs if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
+    if not name or Path(name).is_absolute() or name.startswith("~"):
+        # d / group / "/abs/x.yaml" would be the absolute path itself, and hydra cannot find it
+        what = "names no file" if not name else "is a path, but a group's option is the name of a yaml file in it"
+        shown = f"options there: {', '.join(options[:12]) if options else 'none'}"
+        raise ConfigError(f"+{group}={value} {what} ({group}/<name>.yaml of the config search path; {shown}); "
+                          f"for a yaml file elsewhere use config=/path/to/file.yaml, or list it in a file's 'defaults:'")
     for d in dirs:
         f = d / group / f"{name}.yaml"
         if f.is_file():
             _check_yaml_file(f)
             return name, f
-    options = sorted({p.stem for d in dirs if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
     where = ", ".join(str(d / group) for d in dirs)
     hint = f"; options there: {', '.join(options[:12])}" if options else ""
     raise ConfigError(f"+{group}={value} matches no file {name}.yaml under {where}{hint}; "

@@ -456,7 +456,7 @@ def test_filelist_txt_not_utf8_whose_names_do_not_exist_names_the_byte(tmp_path:
         build_dataset(_filelist_cfg(tmp_path, str(labels)), "TRAIN")
 
 
-def _filelist_cfg(data: str, labels: str) -> AttrDict:
+def _list_and_labels_cfg(data: str, labels: str) -> AttrDict:
     return make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[data], LABEL_SOURCES=["disk_filelist"],
                     LABEL_PATHS=[labels], DATA_LIMIT=-1)
 
@@ -483,7 +483,7 @@ def test_filelist_path_that_is_a_pipe_a_device_or_a_bad_link_says_which(tmp_path
     ]
     for data, labels, message in cases:
         with pytest.raises(UserError) as info:
-            build_dataset(_filelist_cfg(data, labels), "TRAIN")
+            build_dataset(_list_and_labels_cfg(data, labels), "TRAIN")
         assert message in str(info.value), str(info.value)
     os.symlink("folder_loop", tmp_path / "folder_loop")
     with pytest.raises(UserError, match="folder .*folder_loop' is a symlink loop"):

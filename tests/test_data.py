@@ -400,6 +400,19 @@ def test_filelist_fractional_or_non_finite_labels_are_a_user_error(tmp_path: Any
         build_dataset(_filelist_cfg(tmp_path, np.array(labels)), "TRAIN")
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_filelist_half_and_single_precision_labels_read_without_a_warning(tmp_path: Any, dtype: Any) -> None:
+    """float16 labels are read as ints with no "overflow encountered in cast" RuntimeWarning on the
+    console (2**53, the bound the labels are checked against, overflowed float16)."""
+    import warnings
+
+    cfg = _filelist_cfg(tmp_path, labels=np.array([0, 1, 2, 3], dtype=dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = build_dataset(cfg, "TRAIN")
+    assert ds.get_labels().tolist() == [0, 1, 2, 3] and ds.get_labels().dtype == np.int64
+
+
 def test_filelist_uint64_labels_read_as_classes_and_one_beyond_int64_is_named(tmp_path: Any) -> None:
     ok = build_dataset(_filelist_cfg(tmp_path, np.array([0, 3, 1, 2], dtype=np.uint64)), "TRAIN")
     assert ok.get_labels().dtype == np.int64 and ok.get_labels().tolist() == [0, 3, 1, 2]

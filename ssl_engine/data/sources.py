@@ -590,6 +590,8 @@ def integer_labels(arr: np.ndarray, key: str, path: str) -> np.ndarray:
             arr, kind = _text_to_floats(arr, key, path), "f"
     if kind != "f":
         raise UserError(f"{key}: {path!r} holds {arr.dtype} values; {_VALID_LABELS}")
+    if arr.dtype.itemsize < 8:  # float16 / float32: compared with 2**53, float16 printed an overflow warning
+        arr = arr.astype(np.float64)
     with np.errstate(invalid="ignore"):
         ok = np.isfinite(arr) & (np.abs(arr) < 2.0**53) & (arr == np.round(arr))
     if not ok.all():

@@ -1499,3 +1499,22 @@ def test_an_overlay_given_as_a_path_says_a_group_option_is_a_name(tmp_path):
                             f"m); for a yaml file elsewhere use config=/path/to/file.yaml, or list it in a file's 'defaults:'")
     with pytest.raises(ConfigError, match=r"^\+config/models= names no file \(.*options there: m\)"):
         compose([f"config={experiment}", "+config/models="])
+
+
+def test_a_vissl_key_of_a_section_not_acted_on_is_taken_from_the_command_line_as_from_a_file(caplog):
+    """VISSL's `config.REPRODUCIBILITY.CUDDN_DETERMINISTIC=True` (or an option of a VISSL loss this
+    engine lacks) composed from a yaml file with the not-acted-on warning, but on the command line
+    it was 'unknown config key ... to add a key of your own use +...': hydra knew only the {} of
+    defaults.yaml. It is taken the same way from both now."""
+    with caplog.at_level(logging.WARNING, logger="ssl_engine"):
+        cfg = compose([QUICK, "config.REPRODUCIBILITY.CUDDN_DETERMINISTIC=true", "config.SVM.cross_val_folds=3",
+                       "config.LOSS.dino_loss.some_option=1"])
+    assert cfg.REPRODUCIBILITY.CUDDN_DETERMINISTIC is True and cfg.SVM.cross_val_folds == 3
+    assert cfg.LOSS.dino_loss.some_option == 1
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(w.startswith("config key config.REPRODUCIBILITY configures") for w in warned), warned
+    assert "config key config.LOSS.dino_loss.some_option is accepted for VISSL configs but not acted on by ssl_engine" \
+        in warned
+    # a key beside the sections the engine acts on is still unknown
+    with pytest.raises(ConfigError, match=r"^unknown config key config\.LOSS\.simclr_info_nce_loss\.some_option "):
+        compose([QUICK, "config.LOSS.simclr_info_nce_loss.some_option=1"])

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.forked_compose import remove_stale_scratch_folders, scratch_folder_prefix
 from ssl_engine.config.validate import (
+    _compat_ancestor,
     flatten_keys,
     is_older_layout_key,
     keys_set_at_new_places,
@@ -735,6 +736,13 @@ def _is_option_of_free_form_section(key: str) -> bool:
     return any(key == s or key.startswith(s + ".") for s in _FREE_FORM_SECTIONS)
 
 
+def _is_inside_unacted_section(key: str) -> bool:
+    """A key inside a section marked [compat] (VISSL's ``REPRODUCIBILITY: {}``, ``SVM: {}``, the
+    options of a VISSL loss this engine lacks) that defaults.yaml does not list: a yaml file may
+    set it (kept, with the not-acted-on warning), so the command line may too, without '+'."""
+    return _compat_ancestor(key) is not None and key not in flatten_keys(load_defaults())
+
+
 def _check_top_level(key: str) -> None:
     """An override's first part is a top-level key: ``LOG_FREQUENCY=2`` (or ``+LOG_FREQUENCY=2``,
     which hydra would add beside ``config`` where nothing reads it) names the option it meant."""
@@ -798,7 +806,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if key.startswith("+"):
                 added_keys.append(key.lstrip("+"))
             command_line.append(key)
-            if _is_option_of_free_form_section(key):
+            if _is_option_of_free_form_section(key) or (not key.startswith("+") and _is_inside_unacted_section(key)):
                 key = f"++{key}"  # not in defaults.yaml's {}, so hydra wants '+' (or none when a yaml set it)
             elif not key.startswith("+") and key.rsplit(".", 1)[-1].isdigit() and value.lstrip().startswith("{"):
                 # an entry of a list given whole: hydra's struct mode would refuse a mapping with options

@@ -1518,3 +1518,13 @@ def test_a_vissl_key_of_a_section_not_acted_on_is_taken_from_the_command_line_as
     # a key beside the sections the engine acts on is still unknown
     with pytest.raises(ConfigError, match=r"^unknown config key config\.LOSS\.simclr_info_nce_loss\.some_option "):
         compose([QUICK, "config.LOSS.simclr_info_nce_loss.some_option=1"])
+
+
+def test_a_key_deleted_then_set_again_on_the_command_line_takes_the_new_value():
+    """`~config.OPTIMIZER.num_epochs config.OPTIMIZER.num_epochs=5` (a script's deletion, then the
+    user's value) was 'unknown config key config.OPTIMIZER.num_epochs (closest: config.OPTIMIZER.num_epochs)'."""
+    assert compose([QUICK, "~config.OPTIMIZER.num_epochs", "config.OPTIMIZER.num_epochs=5"]).OPTIMIZER.num_epochs == 5
+    cfg = compose([QUICK, "~config.OPTIMIZER", "config.OPTIMIZER.num_epochs=5"])
+    assert cfg.OPTIMIZER.num_epochs == 5 and cfg.OPTIMIZER.name == "sgd"  # the rest of the section: its defaults
+    with pytest.raises(ConfigError, match=r"^unknown config key config\.OPTIMIZER\.num_epoch \(closest: config\.OPTIMIZER\.num_epochs\)"):
+        compose([QUICK, "~config.OPTIMIZER", "config.OPTIMIZER.num_epoch=5"])

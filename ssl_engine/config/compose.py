@@ -774,6 +774,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     command_line: List[str] = []  # the overrides' keys: they win over a yaml file's older layout
     experiment: Optional[str] = None
     overlay_files: List[Path] = []
+    deleted: List[str] = []  # keys a ~config.X override deleted
     remove_stale_scratch_folders()
     with tempfile.TemporaryDirectory(prefix=scratch_folder_prefix(os.getpid())) as tmpdir:
         extra_dirs: List[Path] = []
@@ -796,6 +797,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             _check_override_grammar(item)
             _check_top_level(key.lstrip("+~"))
             if key.startswith("~"):
+                deleted.append(key.lstrip("~"))
                 hydra_overrides.append(item)
                 continue
             if is_older_layout_key(key):
@@ -806,7 +808,9 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             if key.startswith("+"):
                 added_keys.append(key.lstrip("+"))
             command_line.append(key)
-            if _is_option_of_free_form_section(key) or (not key.startswith("+") and _is_inside_unacted_section(key)):
+            if any(key == d or key.startswith(d + ".") for d in deleted):
+                key = f"++{key}"  # set again after ~ deleted it: hydra's struct mode no longer has the key
+            elif _is_option_of_free_form_section(key) or (not key.startswith("+") and _is_inside_unacted_section(key)):
                 key = f"++{key}"  # not in defaults.yaml's {}, so hydra wants '+' (or none when a yaml set it)
             elif not key.startswith("+") and key.rsplit(".", 1)[-1].isdigit() and value.lstrip().startswith("{"):
                 # an entry of a list given whole: hydra's struct mode would refuse a mapping with options

@@ -339,6 +339,14 @@ def test_disk_filelist_npy_and_txt_with_labels(tmp_path: Any) -> None:
         ds = build_dataset(cfg, "TRAIN")
         assert len(ds) == 4
         assert [ds[i]["label"][0] for i in range(4)] == [3, 1, 4, 1]
+    for upper in ("FILES.NPY", "FILES.TXT"):  # the extension in capitals is the same file type
+        src = npy if upper.endswith("NPY") else txt
+        os.rename(src, str(tmp_path / upper))
+        cfg = make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(tmp_path / upper)],
+                       LABEL_SOURCES=["disk_filelist"], LABEL_PATHS=[lab], DATA_LIMIT=-1,
+                       TRANSFORMS=[{"name": "ToTensor"}])
+        assert [build_dataset(cfg, "TRAIN")[i]["label"][0] for i in range(4)] == [3, 1, 4, 1]
+        os.rename(str(tmp_path / upper), src)
     bad = str(tmp_path / "short.npy")
     np.save(bad, np.array([0, 1, 2]))
     cfg = make_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[npy], LABEL_SOURCES=["disk_filelist"],

@@ -416,9 +416,10 @@ def load_list_file(path: str, what: str, key: str, mmap: bool = False, entries: 
         raise UserError(
             f"{key}: {path!r} is empty (0 bytes); expected a .npy array of {entries} or a .txt list, one per line"
         )
-    if path.endswith(".npy"):
+    ext = os.path.splitext(path)[1].lower()  # FILES.NPY, as a Windows share lists it, is a .npy file
+    if ext == ".npy":
         return _load_npy(path, key, mmap)
-    if path.endswith(".txt"):
+    if ext == ".txt":
         return read_text_list(path)
     raise UserError(f"{key}: {path!r} must be a .npy or .txt file")
 

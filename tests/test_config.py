@@ -269,6 +269,22 @@ def test_config_naming_a_folder_says_so_and_lists_its_yaml_files(tmp_path):
         compose(["config=quick"])
 
 
+def test_an_experiment_named_with_yml_in_the_config_folders(tmp_path, monkeypatch):
+    """VISSL users also keep .yml files: one in a config folder is named, with the two ways to use it;
+    a .yml name that is in no folder is looked up, and advised, as its .yaml name."""
+    exp = tmp_path / "config" / "quick" / "exp.yml"
+    exp.parent.mkdir(parents=True)
+    exp.write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 2\n")
+    monkeypatch.setenv("SSL_ENGINE_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"^config=quick/exp\.yml: {re.escape(str(exp))} ends in \.yml, and the "
+                                          rf"config folders are searched for \.yaml files only; rename it to "
+                                          rf"exp\.yaml, or give its path: config={re.escape(str(exp))}$"):
+        compose(["config=quick/exp.yml"])
+    monkeypatch.delenv("SSL_ENGINE_CONFIG_DIR")
+    with pytest.raises(ConfigError, match=r"nearest: quick/simclr_digits.*holding config/quick/simclr_digit\.yaml\)$"):
+        compose(["config=quick/simclr_digit.yml"])
+
+
 def test_a_missing_overlay_names_the_search_path_and_ssl_engine_config_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("SSL_ENGINE_CONFIG_DIR", raising=False)
     with pytest.raises(ConfigError, match=r"matches no file rn51\.yaml under .*; the search path is "

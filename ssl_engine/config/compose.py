@@ -487,6 +487,14 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
         if f.is_file():
             _check_yaml_file(f, experiment=True)
             return name, [], f
+    if name.endswith(".yml"):  # hydra's search path holds .yaml files only
+        for d in config_search_dirs():
+            f = d / "config" / name
+            if f.is_file():
+                raise ConfigError(f"config={value}: {f} ends in .yml, and the config folders are searched for .yaml "
+                                  f"files only; rename it to {f.with_suffix('.yaml').name}, or give its path: "
+                                  f"config={f}")
+        name = name[:-4]
     _refuse_folder(value, name)
     if as_path.is_file():  # the user's file, without the ending a config file is known by
         raise ConfigError(f"config={value} is a file without a .yaml ending: a config file outside the config folders "

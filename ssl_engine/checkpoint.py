@@ -975,6 +975,18 @@ def _as_tensor(value: Any) -> Optional[torch.Tensor]:
     return torch.from_numpy(value) if isinstance(value, np.ndarray) and value.dtype != object else None
 
 
+# VISSL's checkpoint types (its CheckpointItemType) whose file holds no weights under their names:
+# what the file is, and what to name instead
+_CONSOLIDATE = ("convert the FSDP checkpoint with VISSL's extra_scripts/convert_sharded_checkpoint.py -i <its "
+                "model_*.torch that lists the shards> -o <new file> -t consolidated and name the new file")
+_VISSL_FSDP_TYPES = {
+    "shard_list": f"it lists the files of an FSDP run's shards and holds no weights; {_CONSOLIDATE}",
+    "shard": f"one rank's shard of an FSDP run, its parameters flattened; {_CONSOLIDATE}",
+    "slice_list": (f"it lists a file for each weight and holds no weights; name the checkpoint it was sliced from, "
+                   f"or {_CONSOLIDATE}"),
+}
+
+
 def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[Dict[str, torch.Tensor], bool]:
     """The model weights held by a loaded file, and whether VISSL's prefix rule exempts them.
 
@@ -985,6 +997,14 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
     instead (no such key, another layout), the weights are read as below and the prefixes apply.
     """
     state: Any = data
+    fsdp_kind = _VISSL_FSDP_TYPES.get(data.get("type")) if isinstance(data.get("type"), str) else None
+    if fsdp_kind:
+        # VISSL's FSDP files: a list of shard files, one rank's shard (flattened parameters), or a
+        # list of per-weight files; none holds the model's weights under their names
+        raise CheckpointError(
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} is a VISSL FSDP checkpoint of type {data['type']!r}: "
+            f"{fsdp_kind}"
+        )
     key_found = bool(key_name) and key_name in data
     if key_name and key_name != "classy_state_dict" and not key_found:
         # a key the user chose (the default falls back to the usual layouts): reading another one

@@ -702,3 +702,32 @@ def test_a_file_whose_weights_are_not_named_by_strings_is_the_no_match_error(tmp
     torch.save({0: torch.ones(3), 1: torch.ones(2)}, str(tmp_path / "ints.pth"))
     with pytest.raises(UserError, match="none of its 2 weights match the model.*set REMOVE_PREFIX / APPEND_PREFIX"):
         ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "ints.pth", STATE_DICT_KEY_NAME=""))
+
+
+@pytest.mark.parametrize("kind", ["shard_list", "shard", "slice_list"])
+def test_a_vissl_fsdp_checkpoint_is_named_as_such_with_the_conversion_to_run(tmp_path, kind):
+    """VISSL's FSDP runs write files that hold no weights under the model's names: the file a
+    checkpoint name points to lists the shards (type shard_list), each rank's shard holds flattened
+    parameters (shard), and VISSL's converter can write one file per weight (slice_list: the
+    trunk/heads hold file paths). They were 'holds no weights under STATE_DICT_KEY_NAME=...' (the
+    sliced one has them, as paths) or 'none of its weights match the model' with no way out."""
+    src = resnet18_model()
+    trunk = {k[len("trunk."):]: v for k, v in src.state_dict().items() if k.startswith("trunk.")}
+    data = {
+        "shard_list": {"type": "shard_list", "shards": ["model_phase3_shard0.torch", "model_phase3_shard1.torch"]},
+        "shard": {"type": "shard", "phase_idx": 3, "classy_state_dict": {"base_model": {
+            "model": {"trunk": {"_fsdp_wrapped_module.flat_param_0": torch.zeros(100)}, "heads": {}},
+            "meta": {"trunk": {}}}}},
+        "slice_list": {"type": "slice_list", "classy_state_dict": {"base_model": {"model": {
+            "trunk": {k: f"/ckpt/model_phase3_layers/{i}.torch" for i, k in enumerate(trunk)}, "heads": {}}}}},
+    }[kind]
+    path = tmp_path / "model_phase3.torch"
+    torch.save(data, str(path))
+    model = resnet18_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as e:
+        ck.init_model_from_weights(model, weights_cfg(path))
+    msg = str(e.value)
+    assert msg.startswith(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path} is a VISSL FSDP checkpoint of type '{kind}'"), msg
+    assert "convert_sharded_checkpoint.py" in msg and "-t consolidated" in msg and "\n" not in msg
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

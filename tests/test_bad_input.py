@@ -90,6 +90,10 @@ ROWS: List[Row] = [
       ("config.DATA.NUM_DATALOADER_WORKERS=100000 is out of range", "an integer in 0..1024")),
     R("unknown-device", ("config.MACHINE.DEVICE=tpu",), ("config.MACHINE.DEVICE='tpu'", "one of cpu, gpu")),
     R("log-frequency-zero", ("config.LOG_FREQUENCY=0",), ("config.LOG_FREQUENCY=0", "expected an integer > 0")),
+    # SummaryWriter(flush_secs=0) spins its writer thread through the whole run (4-6x slower training)
+    R("tensorboard-flush-zero", ("config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true",
+                                 "config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=0"),
+      ("config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=0 is out of range", "an integer > 0 (minutes)")),
     R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
     R("empty-checkpoint-dir", ("config.CHECKPOINT.DIR=",), ("config.CHECKPOINT.DIR=''", "folder path")),
     # writable by its access bits, yet no folder can be made there (as an automount that does not mount)

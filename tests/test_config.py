@@ -172,6 +172,13 @@ def test_wrong_types_name_key_value_and_expected_type(override, expected):
         # one process, no conversion asked for: still checked
         ("config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE=nccl",
          "config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE='nccl' is out of range: expected one of pytorch, apex"),
+        # flush_secs <= 0 spun SummaryWriter's thread for the whole run; 0 iterations gave histograms at every one
+        ("config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=0",
+         "config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=0 is out of range: expected an integer > 0 (minutes)"),
+        ("config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=-1",
+         "config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=-1 is out of range"),
+        ("config.HOOKS.TENSORBOARD_SETUP.LOG_PARAMS_EVERY_N_ITERS=0",
+         "config.HOOKS.TENSORBOARD_SETUP.LOG_PARAMS_EVERY_N_ITERS=0 is out of range: expected an integer > 0"),
     ],
 )
 def test_out_of_range_values(override, expected):

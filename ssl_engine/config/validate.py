@@ -381,6 +381,11 @@ _RANGES = [
     ("MODEL.GRAD_CLIP.MAX_NORM", lambda v: 0 < v < math.inf, "a number > 0"),
     ("MODEL.GRAD_CLIP.NORM_TYPE", lambda v: v > 0, "a number > 0, or inf (the largest absolute gradient)"),
     ("DISTRIBUTED.BACKEND", lambda v: v in ("nccl", "gloo"), "one of nccl, gloo (gloo is used on cpu)"),
+    # SummaryWriter's writer thread polls its queue without waiting when flush_secs <= 0: a core
+    # spun for the whole run (training 4-6x slower on a small machine), as it does in VISSL
+    ("HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN", lambda v: v > 0, "an integer > 0 (minutes)"),
+    # 0 or less wrote the histograms at every iteration (VISSL: a ZeroDivisionError for 0)
+    ("HOOKS.TENSORBOARD_SETUP.LOG_PARAMS_EVERY_N_ITERS", lambda v: v > 0, "an integer > 0"),
 ]
 
 

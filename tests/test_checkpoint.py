@@ -731,3 +731,24 @@ def test_a_vissl_fsdp_checkpoint_is_named_as_such_with_the_conversion_to_run(tmp
     assert msg.startswith(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path} is a VISSL FSDP checkpoint of type '{kind}'"), msg
     assert "convert_sharded_checkpoint.py" in msg and "-t consolidated" in msg and "\n" not in msg
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_an_extraction_resumed_from_a_model_only_file_names_the_key_and_params_file(tmp_path):
+    """config.CHECKPOINT.RESUME_FROM of an extraction naming VISSL's model-only file ({"model":
+    {"trunk", "heads"}}) said '<file> holds no classy_state_dict.base_model' without the key that
+    named it; the line names config.CHECKPOINT.RESUME_FROM, the file's keys and PARAMS_FILE."""
+    from conftest import run_tool
+
+    src = resnet18_model()
+    model = {part: {k[len(part) + 1:]: v for k, v in src.state_dict().items() if k.startswith(part + ".")}
+             for part in ("trunk", "heads")}
+    path = tmp_path / "model_only.torch"
+    torch.save({"model": model}, str(path))
+    r = run_tool(["config=extract/simclr_digits_trunk", "config.DATA.TRAIN.DATA_LIMIT=8", "config.DATA.TEST.DATA_LIMIT=8",
+                  f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.EXTRACT_FEATURES.OUTPUT_DIR={tmp_path / 'feats'}",
+                  f"config.CHECKPOINT.RESUME_FROM={path}"])
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert err[-1].startswith(f"error: config.CHECKPOINT.RESUME_FROM: {path} holds no classy_state_dict.base_model "
+                              f"(top-level keys: 'model')"), err[-1]
+    assert "config.MODEL.WEIGHTS_INIT.PARAMS_FILE" in err[-1]

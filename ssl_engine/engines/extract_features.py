@@ -126,9 +126,11 @@ def load_weights(task: Any, checkpoint_path: Optional[str]) -> str:
         try:
             state = data["classy_state_dict"]["base_model"]
         except (KeyError, TypeError):
+            named = "config.CHECKPOINT.RESUME_FROM: " if cfg.CHECKPOINT.RESUME_FROM else ""
             raise CheckpointError(
-                f"{checkpoint_path} holds no classy_state_dict.base_model; for other files use "
-                f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
+                f"{named}{checkpoint_path} holds no classy_state_dict.base_model (top-level keys: "
+                f"{first_few([str(k) for k in data]) or 'none'}), so it is not a training checkpoint; to extract "
+                f"from a file of weights (a model-only or torchvision file) use config.MODEL.WEIGHTS_INIT.PARAMS_FILE"
             ) from None
         # trunk features need the trunk's weights only: the config's heads may differ from the training's
         trunk_only = not getattr(task.base_model, "extracts_head_output", True)

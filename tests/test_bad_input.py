@@ -94,6 +94,11 @@ ROWS: List[Row] = [
     R("tensorboard-flush-zero", ("config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true",
                                  "config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=0"),
       ("config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=0 is out of range", "an integer > 0 (minutes)")),
+    # torch's ValueError in every rank after launch (a traceback, exit 1); rmsprop took momentum 1.5 and diverged
+    R("adam-beta-not-below-one", ("config.OPTIMIZER.name=adam", "config.OPTIMIZER.betas=[0.9,1.5]"),
+      ("config.OPTIMIZER.betas=[0.9, 1.5]", "each beta must be in [0, 1)")),
+    R("rmsprop-momentum-above-one", ("config.OPTIMIZER.name=rmsprop", "config.OPTIMIZER.momentum=1.5"),
+      ("config.OPTIMIZER.momentum=1.5 must be in [0, 1)",)),
     R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
     R("empty-checkpoint-dir", ("config.CHECKPOINT.DIR=",), ("config.CHECKPOINT.DIR=''", "folder path")),
     # writable by its access bits, yet no folder can be made there (as an automount that does not mount)

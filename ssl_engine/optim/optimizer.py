@@ -67,7 +67,13 @@ def _betas(cfg: Mapping[str, Any]) -> tuple:
     betas = cfg.get("betas", [0.9, 0.999])
     if not isinstance(betas, (list, tuple)) or len(betas) != 2:
         raise UserError(f"{OPT_KEY}.betas={betas!r} must be a list of two numbers, e.g. [0.9, 0.999]")
-    return (float(betas[0]), float(betas[1]))
+    try:
+        out = (float(betas[0]), float(betas[1]))
+    except (TypeError, ValueError):
+        raise UserError(f"{OPT_KEY}.betas={list(betas)!r} must be a list of two numbers, e.g. [0.9, 0.999]") from None
+    if not all(0.0 <= b < 1.0 for b in out):  # torch's own check raised in every rank, after launch
+        raise UserError(f"{OPT_KEY}.betas={list(betas)!r}: each beta must be in [0, 1), e.g. [0.9, 0.999]")
+    return out
 
 
 @OPTIMIZERS.register("adam")
@@ -84,7 +90,10 @@ def _adamw(param_groups: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> torch.
 
 @OPTIMIZERS.register("rmsprop")
 def _rmsprop(param_groups: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    return torch.optim.RMSprop(param_groups, lr=0.0, momentum=float(cfg.get("momentum", 0.0)),
+    momentum = float(cfg.get("momentum", 0.0))
+    if not 0.0 <= momentum < 1.0:  # torch checks only >= 0: 1 or more grows the steps without bound
+        raise UserError(f"{OPT_KEY}.momentum={momentum!r} must be in [0, 1)")
+    return torch.optim.RMSprop(param_groups, lr=0.0, momentum=momentum,
                                alpha=float(cfg.get("alpha", 0.99)), eps=float(cfg.get("eps", 1e-8)))
 
 

@@ -913,6 +913,11 @@ def checkpoint_problem(path: Path) -> Tuple[Optional[str], Optional[Dict[str, An
     if damaged:
         return f"it {damaged}", None
     if not is_engine_checkpoint(data):
+        kind = data.get("type")
+        if isinstance(kind, str) and kind in _VISSL_FSDP_TYPES:
+            return (f"it is a VISSL FSDP checkpoint (type {kind!r}), which cannot be resumed here (the engine trains "
+                    f"with DistributedDataParallel); to start from its weights, {_CONSOLIDATE} in "
+                    f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE"), None
         return "not an ssl_engine checkpoint", None
     problem = state_problem(data)
     return (problem, None) if problem else (None, data)

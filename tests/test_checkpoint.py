@@ -752,3 +752,15 @@ def test_an_extraction_resumed_from_a_model_only_file_names_the_key_and_params_f
     assert err[-1].startswith(f"error: config.CHECKPOINT.RESUME_FROM: {path} holds no classy_state_dict.base_model "
                               f"(top-level keys: 'model')"), err[-1]
     assert "config.MODEL.WEIGHTS_INIT.PARAMS_FILE" in err[-1]
+
+
+def test_a_folder_of_vissl_fsdp_checkpoints_is_skipped_saying_what_they_are(tmp_path, caplog):
+    """A folder VISSL trained in with FSDP holds model_phase{N}.torch listing the shards: the
+    resume skipped it as 'not an ssl_engine checkpoint'; the warning says it is VISSL's FSDP
+    checkpoint and how to start from its weights."""
+    torch.save({"type": "shard_list", "shards": ["model_phase0_shard0.torch"]}, str(tmp_path / "model_phase0.torch"))
+    with caplog.at_level("WARNING"):
+        assert ck.newest_good_checkpoint(tmp_path) is None
+    assert ("skipping checkpoint model_phase0.torch: it is a VISSL FSDP checkpoint (type 'shard_list'), which cannot "
+            "be resumed here") in caplog.text, caplog.text
+    assert "convert_sharded_checkpoint.py" in caplog.text and "config.MODEL.WEIGHTS_INIT.PARAMS_FILE" in caplog.text

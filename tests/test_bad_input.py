@@ -99,6 +99,13 @@ ROWS: List[Row] = [
       ("config.OPTIMIZER.betas=[0.9, 1.5]", "each beta must be in [0, 1)")),
     R("rmsprop-momentum-above-one", ("config.OPTIMIZER.name=rmsprop", "config.OPTIMIZER.momentum=1.5"),
       ("config.OPTIMIZER.momentum=1.5 must be in [0, 1)",)),
+    # [1.5, -0.5] sums to 1: it trained the warm-up over the whole run and never reached the cosine
+    R("composite-negative-length",
+      ("config.OPTIMIZER.param_schedulers.lr.name=composite",
+       "config.OPTIMIZER.param_schedulers.lr.schedulers=[{name:linear,start_value:0.01,end_value:0.1},"
+       "{name:cosine,start_value:0.1,end_value:0.0}]",
+       "config.OPTIMIZER.param_schedulers.lr.lengths=[1.5,-0.5]"),
+      ("config.OPTIMIZER.param_schedulers.lr.lengths=[1.5, -0.5] must be fractions of training >= 0",)),
     R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
     R("empty-checkpoint-dir", ("config.CHECKPOINT.DIR=",), ("config.CHECKPOINT.DIR=''", "folder path")),
     # writable by its access bits, yet no folder can be made there (as an automount that does not mount)

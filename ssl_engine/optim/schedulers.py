@@ -224,6 +224,9 @@ def _build_composite(cfg: Mapping[str, Any], num_epochs: int, where: str) -> Par
             f"{where}.schedulers ({len(children)} schedules)"
         )
     lengths = _numbers(lengths, f"{where}.lengths")
+    if any(not math.isfinite(v) or v < 0 for v in lengths):
+        # [1.5, -0.5] sums to 1: the first schedule stretched over the whole run, the second never reached
+        raise UserError(f"{where}.lengths={lengths} must be fractions of training >= 0 (summing to 1)")
     if abs(sum(lengths) - 1.0) > 1e-3:
         raise UserError(f"{where}.lengths={lengths} must sum to 1 (they sum to {sum(lengths):g})")
     lengths[-1] = 1.0 - sum(lengths[:-1])  # absorb rounding so the last phase ends at 1

@@ -106,6 +106,11 @@ ROWS: List[Row] = [
        "{name:cosine,start_value:0.1,end_value:0.0}]",
        "config.OPTIMIZER.param_schedulers.lr.lengths=[1.5,-0.5]"),
       ("config.OPTIMIZER.param_schedulers.lr.lengths=[1.5, -0.5] must be fractions of training >= 0",)),
+    # was "...param_schedulers.lr gives the learning rate -0.00375 at 0% of training", naming neither key nor value
+    R("auto-lr-scaling-negative-base-value",
+      ("config.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.auto_scale=true",
+       "config.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_value=-0.06"),
+      ("config.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_value=-0.06 must be a learning rate >= 0",)),
     R("nan-number", ("config.OPTIMIZER.weight_decay=nan",), ("config.OPTIMIZER.weight_decay=nan", "finite")),
     R("empty-checkpoint-dir", ("config.CHECKPOINT.DIR=",), ("config.CHECKPOINT.DIR=''", "folder path")),
     # writable by its access bits, yet no folder can be made there (as an automount that does not mount)

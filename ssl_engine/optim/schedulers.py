@@ -312,6 +312,9 @@ def scale_lr_schedule(
     if global_batch_size <= 0:
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
     base_value = _number(auto.get("base_value", 0.1), f"{key}.base_value")
+    if not math.isfinite(base_value) or base_value < 0:  # else "the schedule gives a negative lr", not naming it
+        raise UserError(f"{key}.base_value={base_value:g} must be a learning rate >= 0 (the lr at "
+                        f"base_lr_batch_size={base_bs:g})")
     ratio = global_batch_size / float(base_bs)
     factor = math.sqrt(ratio) if scaling_type == "sqrt" else ratio
     scaled_lr = base_value * factor

@@ -992,6 +992,9 @@ _VISSL_FSDP_TYPES = {
 }
 
 
+_USUAL_KEYS = ("classy_state_dict", "model_state_dict", "state_dict", "model")  # read in this order by default
+
+
 def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[Dict[str, torch.Tensor], bool]:
     """The model weights held by a loaded file, and whether VISSL's prefix rule exempts them.
 
@@ -1011,6 +1014,8 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
             f"{fsdp_kind}"
         )
     key_found = bool(key_name) and key_name in data
+    # what the default (or '') reads: the first usual key holding a mapping, else the file itself
+    fallback = next((k for k in _USUAL_KEYS if k in data and isinstance(data[k], dict)), None)
     if key_name and key_name != "classy_state_dict" and not key_found:
         # a key the user chose (the default falls back to the usual layouts): reading another one
         # instead would load other weights without a word (a misspelt model_ema loads model)
@@ -1020,15 +1025,13 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
             f"config.MODEL.WEIGHTS_INIT.STATE_DICT_KEY_NAME={key_name!r} is not a key of {source}"
             + (f" (closest: {', '.join(near)})" if near else "")
             + (f"; its top-level keys: {first_few(keys)}" if keys else "; it holds an empty mapping")
-            + "; '' reads the file itself as the weights"
+            + (f"; '' reads its {fallback!r} (the first of {', '.join(_USUAL_KEYS)} it holds)"
+               if fallback is not None else "; '' reads the file itself as the weights")
         )
     if key_found:
         state = data[key_name]
-    else:
-        for k in ("classy_state_dict", "model_state_dict", "state_dict", "model"):
-            if k in data and isinstance(data[k], dict):
-                state = data[k]
-                break
+    elif fallback is not None:
+        state = data[fallback]
     mapped = False
     if isinstance(state, dict):
         state, mapped = _flatten_vissl_model(state)

@@ -764,3 +764,20 @@ def test_a_folder_of_vissl_fsdp_checkpoints_is_skipped_saying_what_they_are(tmp_
     assert ("skipping checkpoint model_phase0.torch: it is a VISSL FSDP checkpoint (type 'shard_list'), which cannot "
             "be resumed here") in caplog.text, caplog.text
     assert "convert_sharded_checkpoint.py" in caplog.text and "config.MODEL.WEIGHTS_INIT.PARAMS_FILE" in caplog.text
+
+
+def test_the_state_dict_key_name_error_says_what_the_empty_name_would_read(tmp_path):
+    """The error for a STATE_DICT_KEY_NAME the file lacks said "'' reads the file itself as the
+    weights" also for a VISSL checkpoint, where '' reads its classy_state_dict: it names that key."""
+    src = resnet18_model()
+    trunk = {k[len("trunk."):]: v for k, v in src.state_dict().items() if k.startswith("trunk.")}
+    torch.save({"classy_state_dict": {"base_model": {"model": {"trunk": trunk, "heads": {}}, "meta": {}}},
+                "phase_idx": 3, "iteration": 40}, str(tmp_path / "vissl.torch"))
+    with pytest.raises(CheckpointError) as e:
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "vissl.torch", STATE_DICT_KEY_NAME="model"))
+    assert str(e.value).endswith("; '' reads its 'classy_state_dict' (the first of classy_state_dict, model_state_dict, "
+                                 "state_dict, model it holds)"), str(e.value)
+    torch.save(dict(trunk), str(tmp_path / "bare.torch"))
+    with pytest.raises(CheckpointError) as e:
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "bare.torch", STATE_DICT_KEY_NAME="model"))
+    assert str(e.value).endswith("; '' reads the file itself as the weights"), str(e.value)

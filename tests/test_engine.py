@@ -378,6 +378,18 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
         assert torch.allclose(x, y, atol=1e-5), k
 
 
+@pytest.mark.parametrize("accum", [3, 8])
+def test_gradient_accumulation_steps_at_the_end_of_each_train_phase(tmp_path, accum):
+    """4 batches per phase: with 8 accumulation steps the run never updated the weights; with 3
+    the last batch's gradients were left for the next epoch's first update (and lost on resume)."""
+    task = tiny_task(tmp_path, f"config.TRAINER.GRAD_ACCUMULATION_STEPS={accum}")
+    assert task.iters_per_epoch == 4
+    before = [p.detach().clone() for p in task.base_model.parameters()]
+    run_phase(task)
+    assert any(not torch.equal(p, b) for p, b in zip(task.base_model.parameters(), before)), "no update"
+    assert all(p.grad is None for p in task.base_model.parameters()), "gradients left for the next phase"
+
+
 def test_gradient_clipping_bounds_the_update(tmp_path):
     task = tiny_task(tmp_path, "config.MODEL.GRAD_CLIP.USE_GRAD_CLIP=true", "config.MODEL.GRAD_CLIP.MAX_NORM=0.001",
                      "config.OPTIMIZER.momentum=0.0", "config.OPTIMIZER.weight_decay=0.0")

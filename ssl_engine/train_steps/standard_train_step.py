@@ -2,7 +2,7 @@
 
 Hook events inside a step: on_forward, on_loss_and_meter, on_backward, on_update. Supports
 AMP (torch.autocast, GradScaler for float16 on CUDA), gradient accumulation over
-TRAINER.GRAD_ACCUMULATION_STEPS batches, gradient clipping, and a non-finite loss check.
+TRAINER.GRAD_ACCUMULATION_STEPS batches (the last batch of a train phase steps too), gradient clipping, and a non-finite loss check.
 """
 
 import math
@@ -178,7 +178,12 @@ def standard_train_step(task: Any) -> None:
     inputs, target = _single(batch["data"]), _single(batch["label"])
 
     accum = settings.accum if train else 1
-    is_update_step = accum == 1 or (task.local_iteration_num + 1) % accum == 0
+    done = task.local_iteration_num + 1
+    # the last batch of a train phase always steps (as Lightning does): with more steps than the
+    # phase has batches the run never updated the weights, and a phase's tail leaked its
+    # gradients into the next epoch's first update (and was lost by a resume from the phase end)
+    phase_end = int(getattr(task, "phase_iterations", 0) or 0)  # 0: a task of your own that does not say
+    is_update_step = accum == 1 or done % accum == 0 or (phase_end > 0 and done >= phase_end)
     if train and not is_update_step and hasattr(task.model, "no_sync"):
         with task.model.no_sync():  # gradients are all-reduced at the update step only
             output = _forward_backward(task, settings, inputs, target, valid, accum)

@@ -179,6 +179,12 @@ def test_wrong_types_name_key_value_and_expected_type(override, expected):
          "config.HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN=-1 is out of range"),
         ("config.HOOKS.TENSORBOARD_SETUP.LOG_PARAMS_EVERY_N_ITERS=0",
          "config.HOOKS.TENSORBOARD_SETUP.LOG_PARAMS_EVERY_N_ITERS=0 is out of range: expected an integer > 0"),
+        # were read as 0 and 1: a one-iteration trace where none was asked for
+        ("config.PROFILING.NUM_ITERATIONS=0",
+         "config.PROFILING.NUM_ITERATIONS=0 is out of range: expected an integer >= 1 (the iterations recorded)"),
+        ("config.PROFILING.START_ITERATION=-5",
+         "config.PROFILING.START_ITERATION=-5 is out of range: expected an integer >= 0 (a train iteration)"),
+        ("config.PROFILING.WARMUP_ITERATIONS=-1", "config.PROFILING.WARMUP_ITERATIONS=-1 is out of range"),
     ],
 )
 def test_out_of_range_values(override, expected):

@@ -386,6 +386,11 @@ _RANGES = [
     ("HOOKS.TENSORBOARD_SETUP.FLUSH_EVERY_N_MIN", lambda v: v > 0, "an integer > 0 (minutes)"),
     # 0 or less wrote the histograms at every iteration (VISSL: a ZeroDivisionError for 0)
     ("HOOKS.TENSORBOARD_SETUP.LOG_PARAMS_EVERY_N_ITERS", lambda v: v > 0, "an integer > 0"),
+    # the profiler's window: a negative start or warm-up, or 0 recorded iterations, was silently
+    # read as 0 and 1 (a trace of one iteration where none was asked for)
+    ("PROFILING.START_ITERATION", lambda v: v >= 0, "an integer >= 0 (a train iteration)"),
+    ("PROFILING.WARMUP_ITERATIONS", lambda v: v >= 0, "an integer >= 0"),
+    ("PROFILING.NUM_ITERATIONS", lambda v: v >= 1, "an integer >= 1 (the iterations recorded)"),
 ]
 
 

@@ -178,12 +178,7 @@ def standard_train_step(task: Any) -> None:
     inputs, target = _single(batch["data"]), _single(batch["label"])
 
     accum = settings.accum if train else 1
-    done = task.local_iteration_num + 1
-    # the last batch of a train phase always steps (as Lightning does): with more steps than the
-    # phase has batches the run never updated the weights, and a phase's tail leaked its
-    # gradients into the next epoch's first update (and was lost by a resume from the phase end)
-    phase_end = int(getattr(task, "phase_iterations", 0) or 0)  # 0: a task of your own that does not say
-    is_update_step = accum == 1 or done % accum == 0 or (phase_end > 0 and done >= phase_end)
+    is_update_step = accum == 1 or _accumulation_done(task, accum)
     if train and not is_update_step and hasattr(task.model, "no_sync"):
         with task.model.no_sync():  # gradients are all-reduced at the update step only
             output = _forward_backward(task, settings, inputs, target, valid, accum)
@@ -195,6 +190,16 @@ def standard_train_step(task: Any) -> None:
     if train:
         task.iteration += 1
     task.local_iteration_num += 1
+
+
+def _accumulation_done(task: Any, accum: int) -> bool:
+    """Whether this batch ends an accumulation of ``accum`` batches, or is the last batch of the
+    train phase: that one always steps (as Lightning does), since with more steps than the phase
+    has batches the run never updated the weights, and a phase's tail leaked its gradients into
+    the next epoch's first update (and was lost by a resume from the phase end)."""
+    done = task.local_iteration_num + 1
+    phase_end = int(getattr(task, "phase_iterations", 0) or 0)  # 0: a task of your own that does not say
+    return done % accum == 0 or (phase_end > 0 and done >= phase_end)
 
 
 def _forward_backward(

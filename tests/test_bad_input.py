@@ -185,12 +185,6 @@ ROWS: List[Row] = [
       ("data source 'everstore' (config keys config.DATA.TRAIN.DATA_SOURCES[0], config.DATA.TEST.DATA_SOURCES[0]) is "
        "one of VISSL's that ssl_engine does not implement; implemented: digits, disk_filelist, disk_folder,",),
       tool=False),
-    # a stray key in the options of a VISSL loss this engine lacks says that the loss is missing,
-    # not which key of another loss is closest
-    R("stray-key-of-unimplemented-loss", ("config.LOSS.nce_loss_with_memory.ignore_index=-1",),
-      ("unknown config key config.LOSS.nce_loss_with_memory.ignore_index",
-       "config.LOSS.nce_loss_with_memory holds the options of VISSL's loss 'nce_loss_with_memory', which ssl_engine "
-       "does not implement")),
     # VISSL's own PIRL file: heads in stages, and a key its defaults lack in the options of a loss
     # this engine lacks (VISSL takes such yaml keys): the one line names every missing part
     R("vissl-method-with-staged-heads", ("config={fx}/pirl_like.yaml", "config.MODEL.HEAD.PARAMS=[[[mlp,{dims:[16,8]}],"

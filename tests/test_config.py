@@ -1537,10 +1537,12 @@ def test_a_vissl_key_of_a_section_not_acted_on_is_taken_from_the_command_line_as
     defaults.yaml. It is taken the same way from both now."""
     with caplog.at_level(logging.WARNING, logger="ssl_engine"):
         cfg = compose([QUICK, "config.REPRODUCIBILITY.CUDDN_DETERMINISTIC=true", "config.SVM.cross_val_folds=3",
-                       "config.LOSS.dino_loss.some_option=1"])
+                       "config.LOSS.dino_loss.some_option=1", "config.LOSS.nce_loss_with_memory.ignore_index=-1"])
     assert cfg.REPRODUCIBILITY.CUDDN_DETERMINISTIC is True and cfg.SVM.cross_val_folds == 3
-    assert cfg.LOSS.dino_loss.some_option == 1
+    assert cfg.LOSS.dino_loss.some_option == 1 and cfg.LOSS.nce_loss_with_memory.ignore_index == -1
     warned = [r.getMessage() for r in caplog.records]
+    assert ("config key config.LOSS.nce_loss_with_memory.ignore_index is accepted for VISSL configs but not acted on "
+            "by ssl_engine") in warned
     assert any(w.startswith("config key config.REPRODUCIBILITY configures") for w in warned), warned
     assert "config key config.LOSS.dino_loss.some_option is accepted for VISSL configs but not acted on by ssl_engine" \
         in warned

@@ -496,8 +496,8 @@ def load_features(folder: Path, split: str, layer: str, flatten: bool = True) ->
             dest = np.searchsorted(sorted_inds, dest)
         features[dest] = s.features
         targets[dest] = s.targets
-    if flatten:
-        features = features.reshape(n, -1)
+    if flatten:  # the row size spelled out: -1 cannot be inferred for a split of 0 samples
+        features = features.reshape(n, int(np.prod(features.shape[1:], dtype=np.int64)))
     return {"features": features, "targets": targets, "inds": sorted_inds}
 
 

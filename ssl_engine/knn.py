@@ -25,6 +25,12 @@ def _as_tensor(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
 
 
+def _rows(x: Any) -> np.ndarray:
+    """``x`` as [N, D] rows (flattened); the row size spelled out, as -1 cannot be inferred for 0 rows."""
+    x = np.asarray(x)
+    return x.reshape(len(x), int(np.prod(x.shape[1:], dtype=np.int64)))
+
+
 def _labels(y: np.ndarray) -> np.ndarray:
     """[N] labels; of [N, L] targets (several label sources) the first column."""
     y = np.asarray(y)
@@ -119,9 +125,9 @@ def knn_accuracy(
     ``num_classes`` caps how many of them a top-k ranking counts (default: all).
     ``l2_norm``: compare L2-normalised features (cosine); False: raw dot products.
     """
-    train_rows = np.asarray(train_features).reshape(len(train_features), -1)
+    train_rows = _rows(train_features)
     train = _as_tensor(train_rows, torch.float32).to(device)
-    test = np.asarray(test_features).reshape(len(test_features), -1)
+    test = _rows(test_features)
     ytrain = _as_tensor(_integer_labels("train", _labels(train_labels)), torch.int64).to(device)
     ytest = _as_tensor(_integer_labels("test", _labels(test_labels)), torch.int64)
     if len(ytrain) != len(train) or len(ytest) != len(test):

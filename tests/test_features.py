@@ -1290,3 +1290,22 @@ def test_knn_tool_reads_a_vissl_feature_folder_with_padded_shards(tmp_path: Path
     assert len(line) == 1 and "1000 train / 400 test, dim 64" in line[0], proc.stdout[-2000:]
     top1 = float(re.search(r"top-1 ([0-9.]+)%", line[0])[1])
     assert top1 > 90.0, line[0]  # raw digits pixels: a 5-NN classifies them well
+
+
+def test_knn_tool_on_a_vissl_folder_with_an_empty_test_split_is_one_line(tmp_path: Path) -> None:
+    """VISSL shards of a split that holds 0 samples: load_features gives [0, D] rows (reshaping to
+    (0, -1) raised numpy's ValueError, a traceback from the kNN tool), and the tool says that the
+    test split is empty, exit 2."""
+    for split, n in (("train", 6), ("test", 0)):
+        np.save(tmp_path / f"rank0_{split}_heads_features.npy", np.ones((n, 2, 1, 1), dtype=np.float32))
+        np.save(tmp_path / f"rank0_{split}_heads_targets.npy", np.arange(n, dtype=np.int64) % 2)
+        np.save(tmp_path / f"rank0_{split}_heads_inds.npy", np.arange(n, dtype=np.int64))
+    assert load_features(tmp_path, "test", "heads")["features"].shape == (0, 2)
+    assert load_features(tmp_path, "test", "heads", flatten=False)["features"].shape == (0, 2, 1, 1)
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"],
+                script=NN_TOOL, ok=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err[-1].startswith("error: ") and "got 6 train and 0 test samples" in err[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(UserError, match="got 6 train and 0 test samples"):
+        knn_accuracy(np.ones((6, 2)), np.zeros(6, int), np.ones((0, 2)), np.zeros(0, int))

@@ -126,19 +126,18 @@ def knn_accuracy(
     ``l2_norm``: compare L2-normalised features (cosine); False: raw dot products.
     """
     train_rows = _rows(train_features)
-    train = _as_tensor(train_rows, torch.float32).to(device)
     test = _rows(test_features)
     ytrain = _as_tensor(_integer_labels("train", _labels(train_labels)), torch.int64).to(device)
     ytest = _as_tensor(_integer_labels("test", _labels(test_labels)), torch.int64)
-    if len(ytrain) != len(train) or len(ytest) != len(test):
+    if len(ytrain) != len(train_rows) or len(ytest) != len(test):
         raise UserError(
-            f"kNN: {len(train)} train features with {len(ytrain)} labels, {len(test)} test features with "
+            f"kNN: {len(train_rows)} train features with {len(ytrain)} labels, {len(test)} test features with "
             f"{len(ytest)} labels; each feature needs one label"
         )
-    if len(train) == 0 or len(test) == 0:
-        raise UserError(f"kNN needs train and test features; got {len(train)} train and {len(test)} test samples")
-    if train.shape[1] != test.shape[1]:
-        raise UserError(f"kNN: train features have dim {train.shape[1]} but test features have dim {test.shape[1]}")
+    if len(train_rows) == 0 or len(test) == 0:
+        raise UserError(f"kNN needs train and test features; got {len(train_rows)} train and {len(test)} test samples")
+    if train_rows.shape[1] != test.shape[1]:
+        raise UserError(f"kNN: train features have dim {train_rows.shape[1]} but test features have dim {test.shape[1]}")
     if int(ytrain.min()) < 0:
         raise UserError("kNN: the train features have no labels (negative targets); extract with LABEL_SOURCES set")
     _check_finite("train", train_rows, chunk_size)
@@ -149,16 +148,17 @@ def knn_accuracy(
     class_ids, ytrain = torch.unique(ytrain, return_inverse=True)
     classes = len(class_ids) if not num_classes else min(int(num_classes), len(class_ids))
     class_ids = class_ids.cpu()
+    train = torch.from_numpy(_float32_rows("train", train_rows, l2_norm, chunk_size)).to(device)
     k = min(int(topk), len(train))
     ks = sorted({int(x) for x in topk_list})
-    if l2_norm:
-        train = torch.nn.functional.normalize(train, dim=1)
     correct = {kk: 0 for kk in ks}
     for start in range(0, len(test), chunk_size):
-        q = _as_tensor(test[start:start + chunk_size], torch.float32).to(device)
-        if l2_norm:
-            q = torch.nn.functional.normalize(q, dim=1)
+        q = torch.from_numpy(_float32_rows("test", test[start:start + chunk_size], l2_norm, chunk_size)).to(device)
         sim, idx = (q @ train.T).topk(k, dim=1)                       # [c, k], most similar first
+        if not l2_norm and not bool(torch.isfinite(sim).all()):
+            raise UserError(
+                "kNN: the dot products of the test and train features overflow float32 (features as large as "
+                f"{float(np.abs(train_rows).max()):.3g}); compare them by cosine: config.NEAREST_NEIGHBOR.L2_NORM_FEATS=true")
         votes = torch.zeros(len(q), classes, device=device)
         # weight exp(sim / sigma), scaled per test sample by exp(-max sim / sigma), which leaves
         # its class ranking as it is, so that no sigma (or raw dot product) overflows float32
@@ -168,6 +168,30 @@ def knn_accuracy(
         for kk in ks:
             correct[kk] += int(hit[:, :kk].any(dim=1).sum())
     return {kk: 100.0 * correct[kk] / len(test) for kk in ks}
+
+
+def _float32_rows(split: str, rows: np.ndarray, l2_norm: bool, chunk_size: int) -> np.ndarray:
+    """``rows`` as float32, L2-normalised with ``l2_norm``. The norm is taken in float64 before the
+    cast, chunk by chunk: in float32 a row with values beyond ~1e19 has an infinite norm (it became
+    all zeros) and float64 values beyond float32's range became inf or 0, so every such row was
+    equally similar to everything and the accuracy meant nothing."""
+    out = np.empty(rows.shape, dtype=np.float32)
+    step = max(1, int(chunk_size))
+    for start in range(0, len(rows), step):
+        block = np.asarray(rows[start:start + step])
+        if l2_norm:
+            block = block.astype(np.float64)
+            scale = np.abs(block).max(axis=1, keepdims=True)  # first to ~1, so that no square overflows
+            block = np.divide(block, scale, out=np.zeros_like(block), where=scale > 0)
+            norm = np.linalg.norm(block, axis=1, keepdims=True)
+            block = np.divide(block, norm, out=np.zeros_like(block), where=norm > 0)
+        with np.errstate(over="ignore"):
+            out[start:start + step] = block
+    if not l2_norm and not np.isfinite(out).all():
+        raise UserError(
+            f"kNN: {split} features hold values beyond float32's range (as large as {float(np.abs(rows).max()):.3g}); "
+            f"compare them by cosine: config.NEAREST_NEIGHBOR.L2_NORM_FEATS=true")
+    return out
 
 
 def _check_finite(split: str, features: np.ndarray, chunk_size: int) -> None:

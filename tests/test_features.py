@@ -1309,3 +1309,25 @@ def test_knn_tool_on_a_vissl_folder_with_an_empty_test_split_is_one_line(tmp_pat
     assert "Traceback" not in proc.stderr
     with pytest.raises(UserError, match="got 6 train and 0 test samples"):
         knn_accuracy(np.ones((6, 2)), np.zeros(6, int), np.ones((0, 2)), np.zeros(0, int))
+
+
+def test_knn_of_features_beyond_float32s_comfortable_range_is_right_or_one_line() -> None:
+    """Finite features whose squares overflow float32 (~1e19 and up), or float64 features beyond
+    float32's range: the cosine kNN normalised them in float32 (an infinite norm made the rows all
+    zeros, so every train row tied and top-1 came out at chance) or after the cast (1e300 became inf,
+    1e-300 became 0); it is now the same as at scale 1. A raw dot product that overflows float32
+    cannot rank neighbours: one line naming L2_NORM_FEATS, not an accuracy of NaN votes."""
+    rng = np.random.default_rng(0)
+    train = rng.normal(size=(50, 8)).astype(np.float32)
+    labels = np.arange(50) % 5
+    test = train[:20] + 0.01 * rng.normal(size=(20, 8)).astype(np.float32)
+    expected = knn_accuracy(train, labels, test, labels[:20], topk=1)
+    assert expected[1] == 100.0
+    for scale, dtype in ((1e19, np.float32), (1e30, np.float32), (1e300, np.float64), (1e-300, np.float64)):
+        got = knn_accuracy(train.astype(dtype) * scale, labels, test.astype(dtype) * scale, labels[:20], topk=1)
+        assert got == expected, (scale, dtype, got)
+    with pytest.raises(UserError, match=r"dot products of the test and train features overflow float32 .*"
+                                        r"config\.NEAREST_NEIGHBOR\.L2_NORM_FEATS=true$"):
+        knn_accuracy(train * 1e19, labels, test * 1e19, labels[:20], topk=1, l2_norm=False)
+    with pytest.raises(UserError, match=r"^kNN: train features hold values beyond float32's range"):
+        knn_accuracy(train.astype(np.float64) * 1e300, labels, test.astype(np.float64), labels[:20], l2_norm=False)

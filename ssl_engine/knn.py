@@ -135,7 +135,7 @@ def knn_accuracy(
             f"{len(ytest)} labels; each feature needs one label"
         )
     if len(train_rows) == 0 or len(test) == 0:
-        raise UserError(f"kNN needs train and test features; got {len(train_rows)} train and {len(test)} test samples")
+        raise UserError(f"kNN: needs train and test features; got {len(train_rows)} train and {len(test)} test samples")
     if train_rows.shape[1] != test.shape[1]:
         raise UserError(f"kNN: train features have dim {train_rows.shape[1]} but test features have dim {test.shape[1]}")
     if int(ytrain.min()) < 0:
@@ -232,9 +232,14 @@ def knn_on_folder(
             train["features"], train["targets"], test["features"], test["targets"],
             topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size, l2_norm=l2_norm,
         )
-    except UserError as e:  # say which layer of which folder (a folder may hold several)
-        text = str(e)
-        raise UserError(f"kNN {layer} in {folder}: " + (text[len("kNN: "):] if text.startswith("kNN: ") else text)) from None
+    except UserError as e:
+        raise in_folder(e, layer, folder) from None
+
+
+def in_folder(error: UserError, layer: str, folder: Path) -> UserError:
+    """``error`` of :func:`knn_accuracy` saying which layer of which folder (a folder may hold several)."""
+    text = str(error)
+    return UserError(f"kNN {layer} in {folder}: " + (text[len("kNN: "):] if text.startswith("kNN: ") else text))
 
 
 def targets_of(label_type: str) -> str:

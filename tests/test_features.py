@@ -1052,7 +1052,7 @@ def test_knn_on_features_with_nan_rows_is_one_line_naming_the_split(tmp_path: Pa
     code = mod.main(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1] == (
-        "error: kNN: 2 of 12 train features hold NaN or inf values (the first is row 3); the model that gave them does "
+        f"error: kNN res5avg in {tmp_path}: 2 of 12 train features hold NaN or inf values (the first is row 3); the model that gave them does "
         "not compute finite outputs (did its training diverge?), so no neighbour can be ranked: extract them again "
         "from finite weights"), err
     # the same check on the test side, chunk by chunk
@@ -1305,7 +1305,8 @@ def test_knn_tool_on_a_vissl_folder_with_an_empty_test_split_is_one_line(tmp_pat
     proc = tool(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"],
                 script=NN_TOOL, ok=False)
     err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and err[-1].startswith("error: ") and "got 6 train and 0 test samples" in err[-1], proc.stderr[-2000:]
+    assert proc.returncode == 2 and err[-1] == (
+        f"error: kNN heads in {tmp_path}: needs train and test features; got 6 train and 0 test samples"), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     with pytest.raises(UserError, match="got 6 train and 0 test samples"):
         knn_accuracy(np.ones((6, 2)), np.zeros(6, int), np.ones((0, 2)), np.zeros(0, int))
@@ -1331,3 +1332,18 @@ def test_knn_of_features_beyond_float32s_comfortable_range_is_right_or_one_line(
         knn_accuracy(train * 1e19, labels, test * 1e19, labels[:20], topk=1, l2_norm=False)
     with pytest.raises(UserError, match=r"^kNN: train features hold values beyond float32's range"):
         knn_accuracy(train.astype(np.float64) * 1e300, labels, test.astype(np.float64), labels[:20], l2_norm=False)
+
+
+def test_knn_tool_names_the_layer_and_folder_whose_features_do_not_match(tmp_path: Path) -> None:
+    """A VISSL folder with two layers, one whose train and test dims differ: the tool's line names
+    that layer and the folder (it said only 'kNN: train features have dim 3 but test features have
+    dim 5', not which of the layers it evaluates)."""
+    for split, dims in (("train", {"res4": 3, "res5": 4}), ("test", {"res4": 5, "res5": 4})):
+        for layer, dim in dims.items():
+            np.save(tmp_path / f"rank0_{split}_{layer}_features.npy", np.ones((6, dim), dtype=np.float32))
+            np.save(tmp_path / f"rank0_{split}_{layer}_targets.npy", np.arange(6) % 2)
+            np.save(tmp_path / f"rank0_{split}_{layer}_inds.npy", np.arange(6))
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"],
+                script=NN_TOOL, ok=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: kNN res4 in {tmp_path}: train features have dim 3 but test features have dim 5"), proc.stderr[-2000:]

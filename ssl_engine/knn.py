@@ -227,19 +227,20 @@ def knn_on_folder(
 ) -> Dict[int, float]:
     """:func:`knn_accuracy` on the train and test shards of ``layer`` in a features folder."""
     train, test = load_train_and_test(folder, layer, train_split, test_split)
+    return knn_of_layer(train, test, layer, folder, topk=topk, sigma=sigma, topk_list=topk_list,
+                        chunk_size=chunk_size, l2_norm=l2_norm)
+
+
+def knn_of_layer(train: Dict[str, np.ndarray], test: Dict[str, np.ndarray], layer: str, folder: Path,
+                 **options: Any) -> Dict[int, float]:
+    """:func:`knn_accuracy` (``options``: its keyword arguments) of the loaded shards of ``layer``
+    (:func:`load_train_and_test`); an error says which layer of which folder, as a folder may hold several."""
     try:
-        return knn_accuracy(
-            train["features"], train["targets"], test["features"], test["targets"],
-            topk=topk, sigma=sigma, topk_list=topk_list, chunk_size=chunk_size, l2_norm=l2_norm,
-        )
+        return knn_accuracy(train["features"], train["targets"], test["features"], test["targets"], **options)
     except UserError as e:
-        raise in_folder(e, layer, folder) from None
-
-
-def in_folder(error: UserError, layer: str, folder: Path) -> UserError:
-    """``error`` of :func:`knn_accuracy` saying which layer of which folder (a folder may hold several)."""
-    text = str(error)
-    return UserError(f"kNN {layer} in {folder}: " + (text[len("kNN: "):] if text.startswith("kNN: ") else text))
+        text = str(e)
+        raise UserError(f"kNN {layer} in {folder}: " + (text[len("kNN: "):] if text.startswith("kNN: ") else text)) \
+            from None
 
 
 def targets_of(label_type: str) -> str:

@@ -46,7 +46,7 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     """kNN accuracies of every layer with train and test shards in ``folder``, printed as they come."""
     from ssl_engine.errors import first_few
     from ssl_engine.features import SHARD_NAMING, FeatureShardError, available, check_finished, unnamed_arrays
-    from ssl_engine.knn import in_folder, knn_accuracy, load_train_and_test
+    from ssl_engine.knn import knn_of_layer, load_train_and_test
 
     for split in ("train", "test"):
         check_finished(folder, split)  # an extraction that failed or was stopped says so, not "no shards"
@@ -64,14 +64,8 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     results = {}
     for layer in layers:
         train, test = load_train_and_test(folder, layer)
-        try:
-            acc = knn_accuracy(
-                train["features"], train["targets"], test["features"], test["targets"],
-                topk=nn.TOPK, sigma=nn.SIGMA, topk_list=nn.TOPK_LIST, chunk_size=nn.TEST_CHUNK_SIZE,
-                l2_norm=bool(nn.L2_NORM_FEATS),
-            )
-        except UserError as e:  # which layer of which folder: the tool evaluates every layer it finds
-            raise in_folder(e, layer, folder) from None
+        acc = knn_of_layer(train, test, layer, folder, topk=nn.TOPK, sigma=nn.SIGMA, topk_list=nn.TOPK_LIST,
+                           chunk_size=nn.TEST_CHUNK_SIZE, l2_norm=bool(nn.L2_NORM_FEATS))
         results[layer] = acc
         scores = " | ".join(f"top-{k} {v:.2f}%" for k, v in acc.items())
         k = min(int(nn.TOPK), len(train["inds"]))

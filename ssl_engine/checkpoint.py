@@ -913,8 +913,8 @@ def checkpoint_problem(path: Path) -> Tuple[Optional[str], Optional[Dict[str, An
     if damaged:
         return f"it {damaged}", None
     if not is_engine_checkpoint(data):
-        kind = data.get("type")
-        if isinstance(kind, str) and kind in _VISSL_FSDP_TYPES:
+        kind = vissl_fsdp_type(data)
+        if kind:
             return (f"it is a VISSL FSDP checkpoint (type {kind!r}), which cannot be resumed here (the engine trains "
                     f"with DistributedDataParallel); to start from its weights, {_CONSOLIDATE} in "
                     f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE"), None
@@ -992,6 +992,12 @@ _VISSL_FSDP_TYPES = {
 }
 
 
+def vissl_fsdp_type(data: Dict[str, Any]) -> Optional[str]:
+    """The VISSL FSDP checkpoint type of a loaded file (a key of ``_VISSL_FSDP_TYPES``), or None."""
+    kind = data.get("type")
+    return kind if isinstance(kind, str) and kind in _VISSL_FSDP_TYPES else None
+
+
 _USUAL_KEYS = ("classy_state_dict", "model_state_dict", "state_dict", "model")  # read in this order by default
 
 
@@ -1005,13 +1011,13 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
     instead (no such key, another layout), the weights are read as below and the prefixes apply.
     """
     state: Any = data
-    fsdp_kind = _VISSL_FSDP_TYPES.get(data.get("type")) if isinstance(data.get("type"), str) else None
+    fsdp_kind = vissl_fsdp_type(data)
     if fsdp_kind:
         # VISSL's FSDP files: a list of shard files, one rank's shard (flattened parameters), or a
         # list of per-weight files; none holds the model's weights under their names
         raise CheckpointError(
-            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} is a VISSL FSDP checkpoint of type {data['type']!r}: "
-            f"{fsdp_kind}"
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {source} is a VISSL FSDP checkpoint of type {fsdp_kind!r}: "
+            f"{_VISSL_FSDP_TYPES[fsdp_kind]}"
         )
     key_found = bool(key_name) and key_name in data
     # what the default (or '') reads: the first usual key holding a mapping, else the file itself

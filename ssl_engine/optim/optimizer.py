@@ -50,13 +50,20 @@ if hasattr(nn, "RMSNorm"):
 OptimizerBuilder = Callable[[List[Dict[str, Any]], Mapping[str, Any]], torch.optim.Optimizer]
 
 
+def _momentum(cfg: Mapping[str, Any], default: float) -> float:
+    """``momentum`` of config.OPTIMIZER, in [0, 1): torch checks only >= 0, and 1 or more grows
+    the steps without bound."""
+    momentum = float(cfg.get("momentum", default))
+    if not 0.0 <= momentum < 1.0:
+        raise UserError(f"{OPT_KEY}.momentum={momentum!r} must be in [0, 1)")
+    return momentum
+
+
 # Registered builders take (param_groups, config.OPTIMIZER) and return a torch optimizer.
 # Group dicts already hold weight_decay; lr is set by the schedule before any step.
 @OPTIMIZERS.register("sgd")
 def _sgd(param_groups: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    momentum = float(cfg.get("momentum", 0.9))
-    if not 0.0 <= momentum < 1.0:
-        raise UserError(f"{OPT_KEY}.momentum={momentum!r} must be in [0, 1)")
+    momentum = _momentum(cfg, 0.9)
     nesterov = bool(cfg.get("nesterov", False))
     if nesterov and momentum == 0:
         raise UserError(f"{OPT_KEY}.nesterov=True needs {OPT_KEY}.momentum > 0")
@@ -90,10 +97,7 @@ def _adamw(param_groups: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> torch.
 
 @OPTIMIZERS.register("rmsprop")
 def _rmsprop(param_groups: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    momentum = float(cfg.get("momentum", 0.0))
-    if not 0.0 <= momentum < 1.0:  # torch checks only >= 0: 1 or more grows the steps without bound
-        raise UserError(f"{OPT_KEY}.momentum={momentum!r} must be in [0, 1)")
-    return torch.optim.RMSprop(param_groups, lr=0.0, momentum=momentum,
+    return torch.optim.RMSprop(param_groups, lr=0.0, momentum=_momentum(cfg, 0.0),
                                alpha=float(cfg.get("alpha", 0.99)), eps=float(cfg.get("eps", 1e-8)))
 
 

@@ -1116,3 +1116,29 @@ def test_a_moco_queue_of_another_size_is_one_line(tmp_path):
     line = r.stderr.strip().splitlines()[-1]
     assert "the checkpoint's MoCo queue is [" in line and "resume with the checkpoint's embedding_dim and queue_size" \
         in line, line
+
+
+def test_with_gradient_accumulation_checkpoints_wait_for_the_update_and_resume_bitwise(setup, tmp_path):
+    """GRAD_ACCUMULATION_STEPS=4 over 6 batches an epoch updates at batches 4 and 6 of each epoch.
+    A checkpoint between updates lost the gradients accumulated so far (they are not saved), so
+    a run resumed from it trained differently: iteration and preemption checkpoints now wait for
+    the step that ends the accumulation."""
+    root, cfg = setup
+    accum = ["config.TRAINER.GRAD_ACCUMULATION_STEPS=4"]
+    ref = tmp_path / "ref"
+    r = run(cfg, ref, *accum)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # ITER_FREQUENCY 2 is due at iterations 2, 4, ...: those mid-accumulation (2, 8, 14) move to 4, 10, 16
+    written = sorted(int(p.stem[len("model_iteration"):]) for p in ref.glob("model_iteration*.torch"))
+    assert written and all((i % ITERS_PER_EPOCH) in (0, 4) for i in written), written
+    folder = tmp_path / "killed"
+    r = run(cfg, folder, *accum, kill="step:9")  # the newest save before the kill: iteration 6's, not 8's
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert not (folder / "model_iteration8.torch").exists()
+    r = run(cfg, folder, *accum, kill="term:13")  # signalled at local batch 1: saved at batch 4 (iteration 16)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "at iteration 16" in r.stderr + r.stdout and (folder / "model_iteration16.torch").exists()
+    r = run(cfg, folder, *accum)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_bitwise_equal(tensors_of(ref / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+    assert losses(ref) == losses(folder)

@@ -2,7 +2,8 @@
 
 Every rank takes part in building the state (RNG states are gathered from all ranks); only
 rank 0 writes the file. A preemption request (SIGTERM/SIGUSR1) is agreed on by all ranks
-at a step boundary, written as an iteration checkpoint, and ends the run.
+at a step boundary, written as an iteration checkpoint at the first step that ends an
+optimizer update (with gradient accumulation, the accumulation's last batch), and ends the run.
 
 With CHECKPOINT.ASYNC_WRITE (the default) rank 0 hands a snapshot of the state to the
 background writer of ssl_engine.checkpoint and training goes on while the file is written.
@@ -31,6 +32,7 @@ from ssl_engine.checkpoint import (
 )
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.registry import HOOKS
+from ssl_engine.train_steps.standard_train_step import ends_an_update
 
 log = logging.getLogger(__name__)
 
@@ -140,18 +142,29 @@ class CheckpointHook(SSLHook):
         self.phase_frequency = phase_frequency
         self.iteration_frequency = iteration_frequency
         self._vote = PreemptionVote()
+        self._stopping = self._iteration_save_due = False
 
     def on_start(self, task: Any) -> None:
         self._vote = PreemptionVote()  # this run's process group (a hook object may serve several runs)
+        self._stopping = self._iteration_save_due = False
 
     def on_step(self, task: Any) -> None:
-        if self._vote.agreed():  # written before the process exits (code 3)
+        """The preemption save and the iteration checkpoints, each at a step that ends an
+        optimizer update: with gradient accumulation, a save between updates would lose the
+        gradients accumulated so far, so it waits for the accumulation's last batch (at most
+        GRAD_ACCUMULATION_STEPS - 1 steps; every rank reaches it at the same iteration)."""
+        self._stopping = self._stopping or self._vote.agreed()
+        if task.train and self.iteration_frequency > 0 and task.iteration % self.iteration_frequency == 0:
+            self._iteration_save_due = True
+        if not (self._stopping or self._iteration_save_due) or not ends_an_update(task):
+            return
+        if self._stopping:  # written before the process exits (code 3)
             write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration", wait=True)
             raise preemption.Preempted(
                 f"stopped on a preemption signal at iteration {task.iteration}; {how_to_resume(task)}"
             )
-        if task.train and self.iteration_frequency > 0 and task.iteration % self.iteration_frequency == 0:
-            write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration")
+        self._iteration_save_due = False
+        write_checkpoint(task, iteration_checkpoint_name(task.iteration), "iteration")
 
     def on_phase_end(self, task: Any) -> None:
         if task.done_training():  # nothing is left to overlap it with: on disk before later hooks run

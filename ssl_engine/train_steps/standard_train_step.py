@@ -178,7 +178,7 @@ def standard_train_step(task: Any) -> None:
     inputs, target = _single(batch["data"]), _single(batch["label"])
 
     accum = settings.accum if train else 1
-    is_update_step = accum == 1 or _accumulation_done(task, accum)
+    is_update_step = accum == 1 or _accumulation_done(task, accum, task.local_iteration_num + 1)
     if train and not is_update_step and hasattr(task.model, "no_sync"):
         with task.model.no_sync():  # gradients are all-reduced at the update step only
             output = _forward_backward(task, settings, inputs, target, valid, accum)
@@ -192,12 +192,21 @@ def standard_train_step(task: Any) -> None:
     task.local_iteration_num += 1
 
 
-def _accumulation_done(task: Any, accum: int) -> bool:
-    """Whether this batch ends an accumulation of ``accum`` batches, or is the last batch of the
-    train phase: that one always steps (as Lightning does), since with more steps than the phase
-    has batches the run never updated the weights, and a phase's tail leaked its gradients into
-    the next epoch's first update (and was lost by a resume from the phase end)."""
-    done = task.local_iteration_num + 1
+def ends_an_update(task: Any) -> bool:
+    """Whether the train step that just ran ended in an optimizer update: always without gradient
+    accumulation and in test phases. A checkpoint or preemption save taken between updates would
+    lose the gradients accumulated so far (they are not part of a checkpoint), so the
+    CheckpointHook waits for the step that ends the accumulation."""
+    accum = step_settings(task).accum
+    return accum <= 1 or not task.train or _accumulation_done(task, accum, task.local_iteration_num)
+
+
+def _accumulation_done(task: Any, accum: int, done: int) -> bool:
+    """Whether the ``done``-th batch of the phase ends an accumulation of ``accum`` batches, or
+    is the last batch of the train phase: that one always steps (as Lightning does), since with
+    more steps than the phase has batches the run never updated the weights, and a phase's tail
+    leaked its gradients into the next epoch's first update (and was lost by a resume from the
+    phase end)."""
     phase_end = int(getattr(task, "phase_iterations", 0) or 0)  # 0: a task of your own that does not say
     return done % accum == 0 or (phase_end > 0 and done >= phase_end)
 

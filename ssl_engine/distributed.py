@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ssl_engine import preemption
+from ssl_engine.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,23 @@ def init_process_group(info: RankInfo, timeout_minutes: float) -> None:
     log.info("rank %d: waiting for %s (at most config.DISTRIBUTED.TIMEOUT_MINUTES=%s)", info.rank, waiting_for,
              timeout_minutes)
     with preemption.stop_while_blocked(waiting_for):  # a Ctrl-C or preemption must not wait for the timeout
-        dist.init_process_group(
-            backend=backend,
-            init_method=info.init_method,
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method=info.init_method,
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=datetime.timedelta(minutes=timeout_minutes),
+            )
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            where = ("MASTER_PORT" if info.init_method.startswith("env://") else "config.DISTRIBUTED.RUN_ID")
+            raise UserError(
+                f"the port of {info.init_method} ({where}) is in use on this node, by another "
+                "job or a run of this one that has not ended; pick a free port, or leave "
+                "config.DISTRIBUTED.RUN_ID=auto on one node"
+            ) from None
     log.debug("rank %d/%d joined %s (%s)", info.rank, info.world_size, info.init_method, info.backend)
 
 

@@ -125,7 +125,7 @@ def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
             )
         return "env://", None
     if d.INIT_METHOD == "file" and d.RUN_ID != "auto":
-        return f"file://{os.path.abspath(str(d.RUN_ID))}", None
+        return f"file://{rendezvous_file(str(d.RUN_ID), int(d.NUM_NODES))}", None
     if d.RUN_ID == "auto":
         if d.NUM_NODES > 1:
             if d.INIT_METHOD == "file":
@@ -147,11 +147,36 @@ def init_method_for(cfg: AttrDict) -> Tuple[str, Optional[str]]:
         folder = launcher_temp_dir(RDZV_PREFIX, local)
         return f"file://{os.path.join(folder, 'rendezvous')}", folder
     host, _, port = str(d.RUN_ID).rpartition(":")
+    one_node = "; on one node, auto (the default) needs no address" if d.NUM_NODES == 1 else ""
     if not host or not port.isdigit():
-        one_node = "; on one node, auto (the default) needs no address" if d.NUM_NODES == 1 else ""
         raise ConfigError(f"config.DISTRIBUTED.RUN_ID={d.RUN_ID!r} is not host:port of node 0 (e.g. "
                           f"10.0.0.1:29500){one_node}")
+    if not 1 <= int(port) <= 65535:  # port 0 would bind a random port no other rank can know
+        raise ConfigError(f"config.DISTRIBUTED.RUN_ID={d.RUN_ID!r}: port {port} is not a port the ranks can meet "
+                          f"at; give one in 1-65535 that is free on node 0 (e.g. 10.0.0.1:29500){one_node}")
     return f"tcp://{d.RUN_ID}", None
+
+
+def rendezvous_file(run_id: str, num_nodes: int) -> str:
+    """The absolute path of ``RUN_ID`` under INIT_METHOD=file, checked before any rank starts:
+    torch waits minutes for a file whose folder is missing and then fails with a traceback, and
+    a file left by a killed run makes the new ranks try to reach that run's dead ones."""
+    path = os.path.abspath(run_id)
+    key = f"config.DISTRIBUTED.RUN_ID={run_id!r}"
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{key} is a folder; with INIT_METHOD=file it names the file the ranks meet through "
+                          f"(a file that does not exist yet, e.g. {os.path.join(path, 'rendezvous')})")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{key}: its folder {folder} does not exist; create it (on a file system every node "
+                          "shares when NUM_NODES > 1), or leave RUN_ID=auto on one node")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: its folder {folder} is not writable; the ranks create the file there")
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    if num_nodes == 1 and size:  # on several nodes, another node's ranks may have written it already
+        raise ConfigError(f"{key} already holds {size} bytes, left by a run that did not end (a clean run "
+                          "removes it): delete the file or name a new one, or leave RUN_ID=auto on one node")
+    return path
 
 
 # ---------------------------------------------------------------------------- one rank

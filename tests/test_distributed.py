@@ -179,6 +179,51 @@ def test_init_method_checks() -> None:
     os.rmdir(folder)
 
 
+def test_rendezvous_addresses_the_ranks_cannot_meet_at_are_refused_before_launch(tmp_path: Path) -> None:
+    """Port 0 (a random port no other rank can know) hung; a file RUN_ID in a missing folder made
+    torch wait five minutes and fail with a traceback; a folder failed with a traceback; a file
+    left by a killed run sent the new ranks to that run's dead ones (a gloo traceback)."""
+    cfg = compose(["config=quick/supervised_digits", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
+    for port in ("0", "65536"):
+        cfg.DISTRIBUTED.RUN_ID = f"localhost:{port}"
+        with pytest.raises(ConfigError, match=f"port {port} is not a port the ranks can meet at; give one in 1-65535"):
+            init_method_for(cfg)
+    cfg.DISTRIBUTED.RUN_ID = "localhost:65535"
+    assert init_method_for(cfg) == ("tcp://localhost:65535", None)
+    cfg.DISTRIBUTED.INIT_METHOD = "file"
+    cfg.DISTRIBUTED.RUN_ID = str(tmp_path)
+    with pytest.raises(ConfigError, match="is a folder; with INIT_METHOD=file it names the file"):
+        init_method_for(cfg)
+    cfg.DISTRIBUTED.RUN_ID = str(tmp_path / "missing" / "rdzv")
+    with pytest.raises(ConfigError, match=f"its folder {tmp_path / 'missing'} does not exist"):
+        init_method_for(cfg)
+    stale = tmp_path / "rdzv"
+    stale.write_bytes(b"\x00" * 40)
+    cfg.DISTRIBUTED.RUN_ID = str(stale)
+    with pytest.raises(ConfigError, match="already holds 40 bytes, left by a run that did not end"):
+        init_method_for(cfg)
+    cfg.DISTRIBUTED.NUM_NODES = 2  # another node's ranks may have written it already
+    assert init_method_for(cfg) == (f"file://{stale}", None)
+    cfg.DISTRIBUTED.NUM_NODES = 1
+    stale.write_bytes(b"")  # an empty file is a new one
+    assert init_method_for(cfg) == (f"file://{stale}", None)
+
+
+def test_a_rendezvous_port_in_use_is_one_line(tmp_path: Path) -> None:
+    """Rank 0 could not listen on RUN_ID's port: a DistNetworkError traceback (EADDRINUSE)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_tool(SUPERVISED + per_rank(2) + [f"config.CHECKPOINT.DIR={tmp_path}", "config.DISTRIBUTED.INIT_METHOD=tcp",
+                                                 f"config.DISTRIBUTED.RUN_ID=localhost:{port}"], timeout=240)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert f"the port of tcp://localhost:{port} (config.DISTRIBUTED.RUN_ID) is in use on this node" in r.stderr
+
+
 def test_remove_temp_files_only_of_given_ranks(tmp_path: Path) -> None:
     mine, other = tmp_path / ".model_phase0.torch.tmp.111", tmp_path / ".metrics.json.tmp.222"
     mine.write_text("x")

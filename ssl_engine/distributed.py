@@ -137,10 +137,17 @@ def reduce_max_scalars(values: List[float]) -> List[float]:
 
 
 def env_rank_info() -> RankInfo:
-    """RankInfo from torchrun's environment variables."""
-    return RankInfo(
-        rank=int(os.environ["RANK"]),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        init_method="env://",
-    )
+    """RankInfo from torchrun's environment variables (set by hand, they are checked: a RANK of
+    'x' was a ValueError traceback, and RANK=1 with WORLD_SIZE=1 trained as if it were rank 0)."""
+    values = {}
+    for name, default in (("RANK", None), ("LOCAL_RANK", "0"), ("WORLD_SIZE", None)):
+        text = os.environ.get(name, default)
+        if text is None or not text.strip().isdigit():
+            raise UserError(f"environment variable {name}={text!r} is not a whole number >= 0; torchrun sets "
+                            "RANK, LOCAL_RANK and WORLD_SIZE (unset them to let the tool start its own ranks)")
+        values[name] = int(text)
+    if not values["RANK"] < values["WORLD_SIZE"]:
+        raise UserError(f"environment variable RANK={values['RANK']} must be below WORLD_SIZE={values['WORLD_SIZE']}; "
+                        "torchrun sets them (unset them to let the tool start its own ranks)")
+    return RankInfo(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"],
+                    init_method="env://")

@@ -224,6 +224,20 @@ def test_a_rendezvous_port_in_use_is_one_line(tmp_path: Path) -> None:
     assert f"the port of tcp://localhost:{port} (config.DISTRIBUTED.RUN_ID) is in use on this node" in r.stderr
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "environment variable RANK='x' is not a whole number >= 0"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "environment variable RANK=1 must be below WORLD_SIZE=1"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "environment variable LOCAL_RANK='-1' is not a whole number"),
+])
+def test_torchrun_variables_set_by_hand_are_checked(tmp_path: Path, env: Dict[str, str], message: str) -> None:
+    """A RANK of 'x' was a ValueError traceback; RANK=1 of WORLD_SIZE=1 trained as rank 0."""
+    r = run_tool(SUPERVISED + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}"],
+                 env={"LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29599", **env})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "checkpoint.torch").exists()
+
+
 def test_remove_temp_files_only_of_given_ranks(tmp_path: Path) -> None:
     mine, other = tmp_path / ".model_phase0.torch.tmp.111", tmp_path / ".metrics.json.tmp.222"
     mine.write_text("x")

@@ -61,6 +61,20 @@ def test_local_executor_is_one_node(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "NUM_NODES=1" in line
 
 
+@pytest.mark.parametrize("executor", ["local", "slurm"])
+def test_a_log_folder_that_cannot_be_made_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch, executor: str) -> None:
+    """submitit makes SLURM.LOG_FOLDER when the executor is built: one under a file (or in /proc)
+    was a FileNotFoundError traceback. The part before submitit's %j is checked before submitting."""
+    fake_slurm(tmp_path / "bin", 7)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    (tmp_path / "a_file").write_text("x")
+    line = one_line_error(SUPERVISED + [f"config.SLURM.EXECUTOR={executor}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+                                        f"config.SLURM.LOG_FOLDER={tmp_path / 'a_file' / '%j'}"], capsys)
+    assert line == f"error: config.SLURM.LOG_FOLDER={tmp_path / 'a_file'} is a file, not a folder; name a folder for the run's files"
+    assert not (tmp_path / "run").exists()
+
+
 def fake_slurm(bin_dir: Path, job_id: int) -> None:
     """sbatch/srun stand-ins: sbatch answers like SLURM and runs nothing."""
     bin_dir.mkdir()

@@ -185,6 +185,11 @@ def check_before_launch(cfg, node_id: int = 0) -> None:
     from ssl_engine.lock import EXTRACT_LOCK_NAME, check_folder_free
 
     check_output_folder(cfg.CHECKPOINT.DIR, "config.CHECKPOINT.DIR")
+    if cfg.SLURM.USE_SLURM:
+        from ssl_engine.slurm import log_folder
+
+        logs = log_folder(cfg)  # up to its first part with submitit's %j (the job id): made at submission
+        check_output_folder(next((p for p in (logs, *logs.parents) if "%" not in str(p)), logs), "config.SLURM.LOG_FOLDER")
     if cfg.engine_name == "extract_features" and cfg.EXTRACT_FEATURES.OUTPUT_DIR:
         check_output_folder(cfg.EXTRACT_FEATURES.OUTPUT_DIR, "config.EXTRACT_FEATURES.OUTPUT_DIR")
     if cfg.engine_name == "train" and node_id == 0 and not under_torchrun():

@@ -1559,3 +1559,26 @@ def test_a_key_deleted_then_set_again_on_the_command_line_takes_the_new_value():
     assert cfg.OPTIMIZER.num_epochs == 5 and cfg.OPTIMIZER.name == "sgd"  # the rest of the section: its defaults
     with pytest.raises(ConfigError, match=r"^unknown config key config\.OPTIMIZER\.num_epoch \(closest: config\.OPTIMIZER\.num_epochs\)"):
         compose([QUICK, "~config.OPTIMIZER", "config.OPTIMIZER.num_epoch=5"])
+
+
+@pytest.mark.parametrize("override, instead", [
+    ("hydra.verbose=true", "config.VERBOSE=true"),
+    ("hydra.run.dir=/tmp/elsewhere", "config.CHECKPOINT.DIR"),
+    ("+hydra.job.chdir=true", "under config."),
+    ("hydra.searchpath=[file:///tmp/x]", "SSL_ENGINE_CONFIG_DIR"),
+])
+def test_hydra_settings_on_the_command_line_are_refused_not_ignored(override, instead):
+    # the tool composes with hydra's compose API: hydra's run dir, logging and sweeps never act
+    with pytest.raises(ConfigError, match=re.escape(f"override {override!r} is not acted on")) as e:
+        compose([QUICK, override])
+    assert instead in str(e.value)
+
+
+def test_the_tool_refuses_a_hydra_setting_in_one_line(tmp_path):
+    from conftest import run_tool
+
+    proc = run_tool([QUICK, "hydra.run.dir=/tmp/elsewhere", f"config.CHECKPOINT.DIR={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("error: override 'hydra.run.dir=/tmp/elsewhere' is not acted on")
+    assert not (tmp_path / "run").exists()

@@ -751,6 +751,34 @@ def _is_inside_unacted_section(key: str) -> bool:
     return _compat_ancestor(key) is not None and key not in flatten_keys(load_defaults())
 
 
+#: what a hydra setting on the command line would do under @hydra.main, and the engine's key for it
+_HYDRA_SETTING_INSTEAD = {
+    "verbose": "for DEBUG-level logs use config.VERBOSE=true",
+    "run": "the run's folder is config.CHECKPOINT.DIR",
+    "sweep": "the run's folder is config.CHECKPOINT.DIR (the tool runs one config, no sweeps)",
+    "output_subdir": "the resolved config is written to config.CHECKPOINT.DIR/train_config.yaml",
+    "searchpath": "add config folders with $SSL_ENGINE_CONFIG_DIR (or config=/path/to/file.yaml)",
+    "job_logging": "the log goes to config.CHECKPOINT.DIR/log.txt",
+    "hydra_logging": "the log goes to config.CHECKPOINT.DIR/log.txt",
+}
+
+
+def _refuse_hydra_setting(item: str, key: str) -> None:
+    """``hydra.verbose=true``, ``hydra.run.dir=/x``, ...: the tool composes with hydra's compose
+    API, not ``@hydra.main``, so hydra's own settings (run dir, job logging, sweeps) never act;
+    taking them would ignore what the user asked for."""
+    parts = key.lstrip("+~").split(".")
+    if parts[0] != "hydra":
+        return
+    instead = _HYDRA_SETTING_INSTEAD.get(parts[1] if len(parts) > 1 else "",
+                                         "set the engine's options under config. (see defaults.yaml)")
+    raise ConfigError(
+        f"override {item!r} is not acted on: the tool composes the config with hydra's compose API, not "
+        f"@hydra.main, so hydra's own settings (hydra.run.dir, hydra.verbose, job logging, sweeps) do not "
+        f"apply; {instead}"
+    )
+
+
 def _check_top_level(key: str) -> None:
     """An override's first part is a top-level key: ``LOG_FREQUENCY=2`` (or ``+LOG_FREQUENCY=2``,
     which hydra would add beside ``config`` where nothing reads it) names the option it meant."""
@@ -801,6 +829,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 overlay_files.append(overlay)
                 hydra_overrides.append(f"{key}={option}")
                 continue
+            _refuse_hydra_setting(item, key)
             _check_list_entry_key(key)
             _check_override_grammar(item)
             _check_top_level(key.lstrip("+~"))

@@ -1582,3 +1582,25 @@ def test_the_tool_refuses_a_hydra_setting_in_one_line(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("error: override 'hydra.run.dir=/tmp/elsewhere' is not acted on")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("section", ["config.OPTIMIZER", "config.HOOKS.PERF_STATS"])
+def test_a_whole_section_set_to_null_on_the_command_line_is_refused(section):
+    # it used to take the section's defaults silently: the file's settings and num_epochs=1 were lost
+    with pytest.raises(ConfigError) as e:
+        compose([QUICK, "config.OPTIMIZER.num_epochs=1", f"{section}=null"])
+    assert str(e.value).startswith(f"{section}=null: a config section cannot be null")
+    assert f"~{section}" in str(e.value)
+
+
+def test_a_section_header_with_nothing_under_it_in_a_yaml_file_still_takes_its_defaults(tmp_path):
+    path = write_yaml(tmp_path, "x.yaml", """\
+        # @package _global_
+        defaults:
+          - /config/quick/supervised_digits@_here_
+        config:
+          HOOKS:
+            PERF_STATS:
+        """)
+    cfg = compose([f"config={path}"])
+    assert cfg.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY == -1

@@ -644,6 +644,21 @@ def _upgrade_older_layout(root: Dict[str, Any]) -> None:
         log.warning("config.%s is VISSL's older layout; read as config.%s", ".".join(old_path), ".".join(new_path))
 
 
+def _refuse_null_sections(given: Dict[Tuple[str, ...], Any], defaults: Dict[str, Any]) -> None:
+    """``config.OPTIMIZER=null`` on the command line: a yaml file's empty section header means its
+    defaults (as VISSL reads it), but an override that nulls a whole section would silently drop
+    the experiment file's settings of it and every override of its keys given before it."""
+    for path, value in given.items():
+        if value is None and isinstance(_node(defaults, path), dict):
+            key = ".".join(path)
+            example = next((k for k in _node(defaults, path) if not isinstance(_node(defaults, path)[k], dict)), None)
+            how = f"{key}.{example}=..." if example else f"{key}.<KEY>=..."
+            raise ConfigError(
+                f"{key}=null: a config section cannot be null; change its keys one by one ({how}), or drop the "
+                f"experiment file's settings of the whole section with ~{key} (it then takes its defaults)"
+            )
+
+
 def validate(
     root: Dict[str, Any],
     defaults: Dict[str, Any],
@@ -661,6 +676,7 @@ def validate(
     key or a value of the wrong type is reported with it.
     """
     given = _values_at(root, command_line)
+    _refuse_null_sections(given, defaults)
     _upgrade_older_layout(root)
     for path, value in given.items():
         node = root

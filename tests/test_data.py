@@ -1186,3 +1186,20 @@ def test_more_loader_workers_than_cpus_is_one_note_instead_of_torchs_warning_per
     else:
         os.environ["PYTHONWARNINGS"] = saved
     assert [str(w.message) for w in seen] == ["an unrelated warning"]
+
+
+def test_a_hidden_class_folder_stays_a_class_with_a_warning_naming_it(tmp_path, caplog):
+    # ImageFolder (and so VISSL) makes .ipynb_checkpoints a class; dropping it would renumber the
+    # classes against VISSL's checkpoints, so it stays, and the shift it causes is logged
+    from ssl_engine.data.sources import scan_image_folder
+
+    for cls in ("a", "b", ".ipynb_checkpoints"):
+        (tmp_path / cls).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / cls / "0.png")
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.sources"):
+        _, labels, classes = scan_image_folder(str(tmp_path))
+    assert classes == [".ipynb_checkpoints", "a", "b"] and labels.tolist() == [0, 1, 2]
+    warned = [r.getMessage() for r in caplog.records if "hidden folder" in r.getMessage()]
+    assert len(warned) == 1
+    assert "'.ipynb_checkpoints'" in warned[0] and "(label 0)" in warned[0]
+    assert "class 'a' is 1, 0 without them" in warned[0]

@@ -324,6 +324,7 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
     key = f"{data_key(split, 'DATA_PATHS')}[{source_index}]"
     skipped: List[str] = []
     classes = class_folders(path, skipped)
+    _warn_hidden_classes(classes, path, key)
     root_chain = frozenset([_folder_id(path)])
     paths: List[str] = []
     labels: List[int] = []
@@ -355,6 +356,24 @@ def scan_image_folder(path: str, split: str = "TRAIN", source_index: int = 0) ->
     label_array = np.asarray(labels, dtype=np.int64)
     _check_no_empty_class(classes, label_array, path, key)
     return paths, label_array, classes
+
+
+def _warn_hidden_classes(classes: List[str], path: str, key: str) -> None:
+    """A hidden subfolder (``.ipynb_checkpoints``, ``.cache``) is a class, as torchvision's
+    ImageFolder (and so VISSL) reads it: dropping it would renumber the classes against VISSL's
+    checkpoints. It sorts first, so it shifts the ids of the classes after it: say so once."""
+    hidden = [c for c in classes if c.startswith(".")]
+    if not hidden:
+        return
+    shifted = [(label, c, sum(h < c for h in hidden)) for label, c in enumerate(classes) if not c.startswith(".")]
+    moved = next(((label, c, by) for label, c, by in shifted if by), None)
+    effect = (f"they shift the label ids of the classes sorted after them (class {moved[1]!r} is {moved[0]}, "
+              f"{moved[0] - moved[2]} without them)" if moved else "they take the last label ids")
+    logger.warning(
+        "%s: hidden folder(s) %s of %r are classes (label %s), as torchvision's ImageFolder and VISSL read them; "
+        "%s; if they are not classes, move them out of the folders of every split alike",
+        key, first_few(hidden), path, ", ".join(str(classes.index(h)) for h in hidden[:5]), effect,
+    )
 
 
 def _check_no_empty_class(classes: List[str], labels: np.ndarray, path: str, key: str) -> None:

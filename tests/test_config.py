@@ -1604,3 +1604,25 @@ def test_a_section_header_with_nothing_under_it_in_a_yaml_file_still_takes_its_d
         """)
     cfg = compose([f"config={path}"])
     assert cfg.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY == -1
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("config.HOOKS.ITERATION_TIMER.WARMUP_ITERATIONS=-5", "expected an integer >= 0"),
+    ("config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=-7", "expected -1 or 0 (the breakdown at phase ends only"),
+])
+def test_timer_warmup_and_perf_stat_frequency_out_of_range(override, expected):
+    # a negative warm-up was read as 0, a frequency below -1 as -1, without a word
+    with pytest.raises(ConfigError, match=re.escape(f"{override} is out of range: {expected}")):
+        compose([QUICK, override])
+
+
+def test_perf_stat_frequency_0_is_phase_ends_only_and_unread_without_monitoring(caplog):
+    cfg = compose([QUICK, "config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=0"])  # VISSL reads <= 0 as -1
+    assert cfg.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY == 0
+    with caplog.at_level(logging.WARNING):
+        compose([QUICK, "config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=5"])
+    assert any("PERF_STAT_FREQUENCY=5 is not acted on" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        compose([QUICK, "config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=5", "config.HOOKS.PERF_STATS.MONITOR_PERF_STATS=true"])
+    assert not any("PERF_STAT_FREQUENCY" in r.getMessage() for r in caplog.records)

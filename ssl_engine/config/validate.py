@@ -391,6 +391,13 @@ _RANGES = [
     ("PROFILING.START_ITERATION", lambda v: v >= 0, "an integer >= 0 (a train iteration)"),
     ("PROFILING.WARMUP_ITERATIONS", lambda v: v >= 0, "an integer >= 0"),
     ("PROFILING.NUM_ITERATIONS", lambda v: v >= 1, "an integer >= 1 (the iterations recorded)"),
+    # a negative warm-up was read as 0 without a word
+    ("HOOKS.ITERATION_TIMER.WARMUP_ITERATIONS", lambda v: v >= 0,
+     "an integer >= 0 (the first train iterations left out of the per-iteration time; 0 = none)"),
+    # VISSL reads any value <= 0 as 'phase ends only'; -1 (its default) and 0 keep that meaning,
+    # anything lower is a typo rather than a setting
+    ("HOOKS.PERF_STATS.PERF_STAT_FREQUENCY", lambda v: v >= -1,
+     "-1 or 0 (the breakdown at phase ends only, as in VISSL) or N >= 1 (also every N train iterations)"),
 ]
 
 
@@ -726,6 +733,10 @@ def validate(
                 continue  # apex's options of a run without AMP: VISSL would not read them either
             log.warning("%s", not_acted_on_message(key))
         warn_unread_dataset_names(cfg, defaults["config"]["DATA"])
+        perf = cfg["HOOKS"]["PERF_STATS"]
+        if perf["PERF_STAT_FREQUENCY"] > 0 and not perf["MONITOR_PERF_STATS"]:
+            log.warning("config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=%d is not acted on: the breakdown is logged only "
+                        "with config.HOOKS.PERF_STATS.MONITOR_PERF_STATS=true", perf["PERF_STAT_FREQUENCY"])
         warn_unread_tensorboard_folder(cfg, defaults["config"]["HOOKS"]["TENSORBOARD_SETUP"])
     return AttrDict(cfg)
 

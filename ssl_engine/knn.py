@@ -10,7 +10,7 @@ features plus one [chunk_size, N_train] similarity block, whatever the test set'
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -241,6 +241,21 @@ def knn_of_layer(train: Dict[str, np.ndarray], test: Dict[str, np.ndarray], laye
         text = str(e)
         raise UserError(f"kNN {layer} in {folder}: " + (text[len("kNN: "):] if text.startswith("kNN: ") else text)) \
             from None
+
+
+def paired_layers(folder: Path, pairs: Sequence[Tuple[str, str]], train_split: str = "train",
+                  test_split: str = "test") -> List[str]:
+    """The layers of ``pairs`` (``features.available``) with shards of both splits. A layer that
+    only one split has cannot be evaluated; it is named in a warning with the split that lacks it,
+    rather than left out without a word (a user reading the results would miss it)."""
+    layers = [layer for s, layer in pairs if s == train_split and (test_split, layer) in pairs]
+    for have, lack in ((train_split, test_split), (test_split, train_split)):
+        lonely = [layer for s, layer in pairs if s == have and (lack, layer) not in pairs]
+        if lonely and layers:  # with no pair at all the caller's error lists what there is
+            log.warning("kNN: %s in %s %s %s features but no %s features: not evaluated; extract both splits of "
+                        "%s (EXTRACT_FEATURES.SPLITS: [TRAIN, TEST]) into one folder", first_few(lonely), folder,
+                        "has" if len(lonely) == 1 else "have", have, lack, "it" if len(lonely) == 1 else "them")
+    return layers
 
 
 def targets_of(label_type: str) -> str:

@@ -1347,3 +1347,20 @@ def test_knn_tool_names_the_layer_and_folder_whose_features_do_not_match(tmp_pat
                 script=NN_TOOL, ok=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"error: kNN res4 in {tmp_path}: train features have dim 3 but test features have dim 5"), proc.stderr[-2000:]
+
+
+def test_knn_tool_names_a_layer_that_only_one_split_has(tmp_path: Path) -> None:
+    """A layer with train shards and no test shards (or the reverse) cannot be evaluated: the tool
+    warns naming it and the split that lacks it (it was left out without a word)."""
+    layers = {"train": ("res4", "res5"), "test": ("res5", "heads")}
+    for split, names in layers.items():
+        for layer in names:
+            np.save(tmp_path / f"rank0_{split}_{layer}_features.npy", np.eye(6, 4, dtype=np.float32))
+            np.save(tmp_path / f"rank0_{split}_{layer}_targets.npy", np.arange(6) % 2)
+            np.save(tmp_path / f"rank0_{split}_{layer}_inds.npy", np.arange(6))
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"],
+                script=NN_TOOL)
+    assert [ln.split(" (")[0] for ln in proc.stdout.splitlines() if ln.startswith("kNN ")] == ["kNN res5"]
+    out = proc.stdout + proc.stderr
+    assert f"kNN: 'res4' in {tmp_path} has train features but no test features: not evaluated" in out
+    assert f"kNN: 'heads' in {tmp_path} has test features but no train features: not evaluated" in out

@@ -46,12 +46,12 @@ def evaluate(cfg, folder: Path) -> Dict[str, Dict[int, float]]:
     """kNN accuracies of every layer with train and test shards in ``folder``, printed as they come."""
     from ssl_engine.errors import first_few
     from ssl_engine.features import SHARD_NAMING, FeatureShardError, available, check_finished, unnamed_arrays
-    from ssl_engine.knn import knn_of_layer, load_train_and_test
+    from ssl_engine.knn import knn_of_layer, load_train_and_test, paired_layers
 
     for split in ("train", "test"):
         check_finished(folder, split)  # an extraction that failed or was stopped says so, not "no shards"
     pairs = available(folder)
-    layers = [layer for s, layer in pairs if s == "train" and ("test", layer) in pairs]
+    layers = paired_layers(folder, pairs)
     if not layers:
         have = ", ".join(f"{s}/{l}" for s, l in pairs) or "no shards"
         others = unnamed_arrays(folder)

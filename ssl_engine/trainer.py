@@ -26,7 +26,14 @@ def model_only(task: Any) -> Dict[str, Any]:
 
 
 class SelfSupervisionTrainer:
-    """Builds the task, resumes it if a checkpoint is given, and steps through its phases."""
+    """Builds the task, resumes it if a checkpoint is given, and steps through its phases.
+
+    It does not look for a checkpoint in its folder (``ssl_engine.engines.train.run_training``
+    does, as the tool does); it refuses to train from scratch over a finished run there."""
+
+    #: train() without a checkpoint refuses a folder that holds a final checkpoint: starting over
+    #: would overwrite that run's final checkpoint and metrics without a word
+    refuses_finished_folder = True
 
     def __init__(
         self,
@@ -86,6 +93,8 @@ class SelfSupervisionTrainer:
 
     def train(self) -> Any:
         """Run every remaining phase; hooks log, write metrics and checkpoint."""
+        if self.refuses_finished_folder and not self.checkpoint_path and du.is_primary():
+            self._refuse_finished_folder()
         task = self.setup()
         try:
             task.on_start()
@@ -110,6 +119,19 @@ class SelfSupervisionTrainer:
         finally:
             task.close_data_iterators()
         return task
+
+    def _refuse_finished_folder(self) -> None:
+        from ssl_engine.checkpoint import final_checkpoint
+        from ssl_engine.errors import UserError
+
+        final = final_checkpoint(Path(self.checkpoint_folder))
+        if final is not None:
+            raise UserError(
+                f"{self.checkpoint_folder} holds a finished run ({final.name}); SelfSupervisionTrainer.train() without a "
+                f"checkpoint_path trains from scratch and would overwrite it: call "
+                f"ssl_engine.engines.train.run_training(cfg) to resume or leave it as the tool does, or use another "
+                f"config.CHECKPOINT.DIR"
+            )
 
     def extract(self) -> Any:
         """Write features of the configured layers for each split (see ssl_engine.features).

@@ -83,6 +83,33 @@ def test_a_trainer_built_in_python_finds_the_built_in_parts_without_the_tool(tmp
     assert {"metrics.json", "model_final_checkpoint_phase1.torch"} <= {p.name for p in folder.iterdir()}
 
 
+def test_run_training_from_python_twice_in_one_folder_behaves_as_the_tool(tmp_path, caplog):
+    """The Python API run twice in one folder: the second call sees the finished run and leaves it
+    (the tool's "has finished" line, nothing written), as the tool does; the bare trainer refuses
+    to train from scratch over it (it overwrote the final checkpoint and metrics.json silently)."""
+    from ssl_engine.engines.train import run_training
+    from ssl_engine.hooks import default_hooks
+    from ssl_engine.trainer import SelfSupervisionTrainer
+
+    folder = tmp_path / "run"
+    cfg = compose(TINY + [f"config.CHECKPOINT.DIR={folder}"])
+    task = run_training(cfg)
+    assert task.iteration == 8 and (folder / "train_config.yaml").is_file()
+    final = folder / "model_final_checkpoint_phase1.torch"
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()}
+    with caplog.at_level(logging.INFO):
+        assert run_training(compose(TINY + [f"config.CHECKPOINT.DIR={folder}"])) is None
+    assert f"the run in {folder} has finished ({final.name} exists); nothing to do" in caplog.text
+    with pytest.raises(UserError, match=f"holds a finished run \\({final.name}\\); SelfSupervisionTrainer.train"):
+        cfg = compose(TINY + [f"config.CHECKPOINT.DIR={folder}"])
+        SelfSupervisionTrainer(cfg, hooks=default_hooks(cfg)).train()
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()} == before
+    # with more epochs it trains on from the final checkpoint, as the tool does
+    more = run_training(compose(TINY + [f"config.CHECKPOINT.DIR={folder}", "config.OPTIMIZER.num_epochs=3",
+                                        "config.CHECKPOINT.OVERWRITE_EXISTING=true"]))
+    assert more.iteration == 12
+
+
 def run_phase(task):
     task.advance_phase()
     while True:

@@ -2,7 +2,7 @@
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import (
@@ -92,6 +92,8 @@ class _Trainer(SelfSupervisionTrainer):
     resume never replaces the one that goes with the folder's checkpoints. A run that starts
     from scratch first moves an earlier run's checkpoints out of its way (rank 0)."""
 
+    refuses_finished_folder = False  # _train has judged the folder; a start from scratch moves its files aside
+
     def setup(self) -> Any:
         task = super().setup()
         if self.checkpoint_path and task.done_training():
@@ -127,6 +129,23 @@ def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
         return _train(cfg, info, folder) if held else None
 
 
+def run_training(cfg: AttrDict, hooks: Optional[List[Any]] = None) -> Any:
+    """Train ``cfg`` in this one process (a notebook, a script) as the tool's train engine does:
+    the folder's lock; a finished run left as it is (the tool's "has finished" line is logged and
+    None returned); auto-resume from the folder's newest good checkpoint; train_config.yaml; an
+    earlier run's files moved aside when it starts over. ``hooks``: ``default_hooks(cfg)`` when
+    None. Returns the task. Seeds this process with ``SEED_VALUE``, as the tool seeds rank 0."""
+    from ssl_engine.registry import load_builtin_parts
+    from ssl_engine.user_modules import import_user_modules
+
+    load_builtin_parts()
+    import_user_modules(cfg.USER_MODULES)
+    du.seed_everything(cfg.SEED_VALUE)
+    folder = Path(cfg.CHECKPOINT.DIR)
+    with held_by_rank0(folder) as held:
+        return _train(cfg, RankInfo(), folder, hooks) if held else None
+
+
 def _refuse_training_checkpoint_for_test_only(cfg: AttrDict, path: str, train_phase_idx: int) -> None:
     """TEST_ONLY builds one test phase: it cannot continue a training's checkpoint (whose position
     is in its train phases), and writing its own checkpoints there would end that training."""
@@ -139,7 +158,7 @@ def _refuse_training_checkpoint_for_test_only(cfg: AttrDict, path: str, train_ph
         )
 
 
-def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
+def _train(cfg: AttrDict, info: RankInfo, folder: Path, hooks: Optional[List[Any]] = None) -> Any:
     # VISSL's rules: a folder with a final checkpoint holds a finished run, and is left alone
     # unless CHECKPOINT.OVERWRITE_EXISTING; that key only lifts this check. The run then resumes
     # from the folder's newest checkpoint under AUTO_RESUME, or starts from scratch without it
@@ -204,7 +223,7 @@ def _train(cfg: AttrDict, info: RankInfo, folder: Path) -> Any:
     if du.is_primary():
         folder.mkdir(parents=True, exist_ok=True)
     trainer = _Trainer(
-        cfg, info.init_method, resume[0] if resume else None, str(folder), default_hooks(cfg),
+        cfg, info.init_method, resume[0] if resume else None, str(folder), default_hooks(cfg) if hooks is None else hooks,
         local_rank=info.local_rank, checkpoint=resume[1] if resume else None,
     )
     try:

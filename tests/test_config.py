@@ -1626,17 +1626,3 @@ def test_perf_stat_frequency_0_is_phase_ends_only_and_unread_without_monitoring(
     with caplog.at_level(logging.WARNING):
         compose([QUICK, "config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=5", "config.HOOKS.PERF_STATS.MONITOR_PERF_STATS=true"])
     assert not any("PERF_STAT_FREQUENCY" in r.getMessage() for r in caplog.records)
-
-
-def test_a_hydra_section_in_a_yaml_file_is_refused_not_ignored(tmp_path):
-    path = write_yaml(tmp_path, "x.yaml", """\
-        # @package _global_
-        hydra:
-          run:
-            dir: /tmp/elsewhere
-        config:
-          LOG_FREQUENCY: 3
-        """)
-    with pytest.raises(ConfigError, match=re.escape(f"config file {path}: its 'hydra:' section is not acted on")) as e:
-        compose([f"config={path}"])
-    assert "config.CHECKPOINT.DIR" in str(e.value)

@@ -397,15 +397,6 @@ def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = F
     if experiment and not {"config", "defaults", "engine_name"} & set(data):
         raise ConfigError(f"config file {path} has no 'config:' section: an experiment file puts its options "
                           f"under 'config:' (or names files to compose in 'defaults:', or sets engine_name)")
-    if "hydra" in data:  # as hydra.* on the command line (see _refuse_hydra_setting): never acted on
-        inner = data["hydra"]
-        first = next(iter(inner), "") if isinstance(inner, dict) else ""
-        instead = _HYDRA_SETTING_INSTEAD.get(first, "set the engine's options under config. (see defaults.yaml)")
-        raise ConfigError(
-            f"config file {path}: its 'hydra:' section is not acted on: the tool composes the config with hydra's "
-            f"compose API, not @hydra.main, so hydra's own settings (run dir, verbose, job logging, sweeps) do not "
-            f"apply; remove it ({instead})"
-        )
     if data.get("config") is not None and not isinstance(data["config"], dict):
         raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
     if isinstance(data.get("config"), dict):

@@ -1626,3 +1626,21 @@ def test_perf_stat_frequency_0_is_phase_ends_only_and_unread_without_monitoring(
     with caplog.at_level(logging.WARNING):
         compose([QUICK, "config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=5", "config.HOOKS.PERF_STATS.MONITOR_PERF_STATS=true"])
     assert not any("PERF_STAT_FREQUENCY" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hydra_section_in_a_yaml_file_is_named_in_a_warning(tmp_path, caplog):
+    """VISSL composes a yaml file with a 'hydra:' section and ignores it: so does ssl_engine, with
+    a warning naming the file and the engine's key instead (it was ignored without a word)."""
+    path = write_yaml(tmp_path, "x.yaml", """\
+        # @package _global_
+        hydra:
+          run:
+            dir: /tmp/elsewhere
+        config:
+          LOG_FREQUENCY: 3
+        """)
+    with caplog.at_level(logging.WARNING):
+        cfg = compose([f"config={path}"])
+    assert cfg.LOG_FREQUENCY == 3
+    warned = [r.getMessage() for r in caplog.records if "'hydra:' section is not acted on" in r.getMessage()]
+    assert len(warned) == 1 and str(path) in warned[0] and "config.CHECKPOINT.DIR" in warned[0]

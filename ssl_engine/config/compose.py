@@ -397,6 +397,13 @@ def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = F
     if experiment and not {"config", "defaults", "engine_name"} & set(data):
         raise ConfigError(f"config file {path} has no 'config:' section: an experiment file puts its options "
                           f"under 'config:' (or names files to compose in 'defaults:', or sets engine_name)")
+    if "hydra" in data:  # VISSL composes such a file and ignores the section: so do we, with a word
+        inner = data["hydra"]
+        first = next(iter(inner), "") if isinstance(inner, dict) else ""
+        log.warning("config file %s: its 'hydra:' section is not acted on (the tool composes the config with hydra's "
+                    "compose API, as VISSL's does, not @hydra.main: hydra's run dir, verbose, job logging and sweeps "
+                    "do not apply); %s", path,
+                    _HYDRA_SETTING_INSTEAD.get(first, "set the engine's options under config. (see defaults.yaml)"))
     if data.get("config") is not None and not isinstance(data["config"], dict):
         raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
     if isinstance(data.get("config"), dict):

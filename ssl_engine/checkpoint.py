@@ -1273,6 +1273,21 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
             f"a test-only run, or their output extracted): they would be partly random; set config.MODEL.HEAD.PARAMS "
             f"to the heads the file was trained with"
         )
+    # the same where the file sets some of the heads' weights and lacks others: its heads were
+    # built otherwise (one mlp of three dims where the config has two mlp heads, say); a head
+    # the file has none of is new, and warned about by the callers (heads_not_set)
+    if heads_used_untrained and any(k.startswith("heads.") for k in loaded):
+        head_missing = [k for k in own if k.startswith("heads.") and k not in new_state and k not in mismatched
+                        and not any(s in k for s in skip)]
+        if head_missing:
+            extra = [k for k in unexpected if k.startswith("heads.")]
+            raise UserError(
+                f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: it sets {sum(k.startswith('heads.') for k in loaded)} "
+                f"of the model's head weights but lacks {len(head_missing)} (e.g. {head_missing[0]})"
+                + (f" and has {len(extra)} head weights the model lacks (e.g. {extra[0]})" if extra else "")
+                + ", and the heads are not trained here (frozen, a test-only run, or their output extracted): they "
+                f"would be partly random; set config.MODEL.HEAD.PARAMS to the heads the file was trained with"
+            )
     deeper = _weights_of_missing_blocks(model, unexpected) if loaded else []
     if deeper:  # a ResNet-34's file in a ResNet-18 fits every layer the model has, and more
         raise UserError(

@@ -572,6 +572,37 @@ def test_a_head_of_another_shape_is_an_error_where_the_heads_are_not_trained(tmp
     SelfSupervisionTask.init_weights(task)
 
 
+def test_heads_built_otherwise_than_the_files_are_an_error_where_the_heads_are_not_trained(tmp_path):
+    """A file whose head is one mlp of three dims, read into a model of two mlp heads (VISSL's
+    kNN and with_head extraction configs' layout): heads.0.clf.0 fits, heads.1 is not in the file.
+    Where the heads are frozen or their output is extracted, that output is a partly random
+    head's: an error naming both sides (was: 'N missing' at INFO, and kNN accuracies of a
+    half-random head printed as those of the file). A run that trains the heads loads what fits."""
+    from ssl_engine.models import build_model
+
+    src_cfg = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,512,16],use_relu:true}]]"])
+    vissl_layout_file(tmp_path / "one_mlp.torch", build_model(src_cfg.MODEL, src_cfg.OPTIMIZER))
+
+    def two_heads():
+        cfg = compose(["config.MODEL.TRUNK.RESNETS.DEPTH=18",
+                       "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[512,512],use_relu:true}],[mlp,{dims:[512,16]}]]"])
+        return build_model(cfg.MODEL, cfg.OPTIMIZER)
+
+    says = (r"one_mlp.torch: it sets 2 of the model's head weights but lacks 2 \(e.g. heads.1.clf.0.weight\) and has 2 "
+            r"head weights the model lacks \(e.g. heads.0.clf.2.weight\), and the heads are not trained here .*partly "
+            r"random; set config.MODEL.HEAD.PARAMS")
+    with pytest.raises(UserError, match=says):
+        ck.init_model_from_weights(two_heads(), weights_cfg(tmp_path / "one_mlp.torch"), heads_used_untrained=True)
+    report = ck.init_model_from_weights(two_heads(), weights_cfg(tmp_path / "one_mlp.torch"))
+    assert report["missing"] == ["heads.1.clf.0.weight", "heads.1.clf.0.bias"]
+    # a file with no head weights at all (a trunk's) leaves new heads, as before: no error here
+    trunk_only = {k: v for k, v in resnet18_model().state_dict().items() if k.startswith("trunk.")}
+    torch.save({"model_state_dict": trunk_only}, str(tmp_path / "trunk.torch"))
+    report = ck.init_model_from_weights(two_heads(), weights_cfg(tmp_path / "trunk.torch", STATE_DICT_KEY_NAME="model_state_dict"),
+                                        heads_used_untrained=True)
+    assert not any(k.startswith("heads.") for k in report["loaded"])
+
+
 def test_a_plain_state_dict_under_the_default_key_name_still_takes_the_prefixes(tmp_path):
     """STATE_DICT_KEY_NAME is classy_state_dict by default; a torchvision file has no such key, so
     its weights are read from the top and the prefixes apply (VISSL would stop on the missing key)."""

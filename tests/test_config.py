@@ -1644,3 +1644,33 @@ def test_a_hydra_section_in_a_yaml_file_is_named_in_a_warning(tmp_path, caplog):
     assert cfg.LOG_FREQUENCY == 3
     warned = [r.getMessage() for r in caplog.records if "'hydra:' section is not acted on" in r.getMessage()]
     assert len(warned) == 1 and str(path) in warned[0] and "config.CHECKPOINT.DIR" in warned[0]
+
+
+def test_options_of_a_meter_no_key_names_are_reported(tmp_path, caplog):
+    """VISSL's MoCo linear-evaluation config sets METERS.accuracy_list_meter without METERS.name:
+    as in VISSL no meter runs, so the run reports no accuracy; that is said once, with the key
+    that turns the meter on (was: silent, a linear evaluation without any accuracy)."""
+    path = write_yaml(tmp_path, "moco_linear.yaml", textwrap.dedent("""\
+        # @package _global_
+        config:
+          METERS:
+            accuracy_list_meter:
+              num_meters: 1
+              topk_values: [1, 5]
+        """))
+    with caplog.at_level(logging.WARNING):
+        cfg = compose([f"config={path}"])
+    assert cfg.METERS.name == "" and not cfg.METERS.names
+    assert ("config.METERS.accuracy_list_meter is set (topk_values=[1, 5]) but no meter is named (config.METERS.name "
+            "is '' and names is []): it does not run and its values are not reported (as in VISSL, only a named meter "
+            "runs); set config.METERS.name=accuracy_list_meter to run it") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # another meter named: the line names the list to give
+        compose([f"config={path}", "config.METERS.names=[precision_at_k_list_meter]"])
+    assert "set config.METERS.names=[accuracy_list_meter,precision_at_k_list_meter] to run it" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # named, or set as the defaults are: nothing to say
+        compose([f"config={path}", "config.METERS.name=accuracy_list_meter"])
+        compose(["config=quick/linear_eval_digits"])
+        compose(["config=quick/simclr_synthetic", "config.METERS.accuracy_list_meter.topk_values=[1]"])
+    assert "METERS" not in caplog.text, caplog.text

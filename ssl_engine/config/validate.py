@@ -723,6 +723,8 @@ def validate(
     check_no_urls(without_unextracted_splits(cfg))
     check_ranges(without_unextracted_splits(cfg))
     expand_home(cfg)
+    if warn_unused:  # before infer_settings, which sets the list meters' sizes from the model
+        warn_unnamed_meter_options(cfg, defaults["config"]["METERS"])
     from ssl_engine.config.infer import infer_settings
 
     infer_settings(cfg, defaults["config"])
@@ -739,6 +741,30 @@ def validate(
                         "with config.HOOKS.PERF_STATS.MONITOR_PERF_STATS=true", perf["PERF_STAT_FREQUENCY"])
         warn_unread_tensorboard_folder(cfg, defaults["config"]["HOOKS"]["TENSORBOARD_SETUP"])
     return AttrDict(cfg)
+
+
+def warn_unnamed_meter_options(cfg: Dict[str, Any], default_meters: Dict[str, Any]) -> None:
+    """Options of a meter (``METERS.accuracy_list_meter.topk_values``) set away from their defaults
+    while ``METERS.name`` / ``METERS.names`` name no such meter: as in VISSL, only a named meter
+    runs, so the run reports no accuracy at all (VISSL's MoCo linear-evaluation config sets
+    ``accuracy_list_meter`` without a name); say so, with the key that turns it on."""
+    meters = cfg.get("METERS") or {}
+    named = set(meters.get("names") or []) | ({meters["name"]} if meters.get("name") else set())
+    for meter, options in meters.items():
+        default = default_meters.get(meter)
+        if meter in named or not isinstance(options, dict) or not isinstance(default, dict):
+            continue
+        changed = {k: v for k, v in options.items() if k in default and v != default[k]}
+        if not changed or meter.endswith("mean_ap_list_meter"):  # [compat] meters: warned about as such
+            continue
+        shown = ", ".join(f"{k}={show_value(v)}" for k, v in changed.items())
+        if named:
+            why, fix = f"the named meters ({', '.join(sorted(named))}) do not include it", \
+                f"config.METERS.names=[{','.join(sorted(named | {meter}))}]"
+        else:
+            why, fix = "no meter is named (config.METERS.name is '' and names is [])", f"config.METERS.name={meter}"
+        log.warning("config.METERS.%s is set (%s) but %s: it does not run and its values are not reported (as in "
+                    "VISSL, only a named meter runs); set %s to run it", meter, shown, why, fix)
 
 
 def warn_unread_tensorboard_folder(cfg: Dict[str, Any], default_tb: Dict[str, Any]) -> None:

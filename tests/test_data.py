@@ -1203,3 +1203,29 @@ def test_a_hidden_class_folder_stays_a_class_with_a_warning_naming_it(tmp_path, 
     assert len(warned) == 1
     assert "'.ipynb_checkpoints'" in warned[0] and "(label 0)" in warned[0]
     assert "class 'a' is 1, 0 without them" in warned[0]
+
+
+def test_vissls_randaugment_is_not_taken_for_torchvisions(caplog) -> None:
+    """VISSL registers its own RandAugment (timm's ops, magnitude on a 0-10 scale) under
+    torchvision's name. Its keys are an error naming VISSL's transform (was: only torchvision's
+    parameters listed, as if the config had a typo); an entry of magnitude alone, valid for both,
+    runs torchvision's with a warning that 9 means another strength than in VISSL (was: silent,
+    a third of VISSL's augmentation strength). torchvision's own keys silence the warning."""
+    where = "config.DATA.TRAIN.TRANSFORMS[2]"
+    with pytest.raises(UserError, match=r"TRANSFORMS\[2\]: RandAugment here is torchvision's \(num_ops, magnitude, "
+                                        r"num_magnitude_bins, interpolation, fill\), which does not take magnitude_std, "
+                                        r"increasing_severity; a VISSL config's RandAugment is VISSL's RandAugment "
+                                        r"\(timm's ops, magnitude on a 0-10 scale"):
+        build_transform({"name": "RandAugment", "magnitude": 9, "magnitude_std": 0.5, "increasing_severity": True}, where)
+    with pytest.raises(UserError, match=r"does not take n, m, probabilistic; a VISSL config's RandAugment"):
+        build_transform({"name": "RandAugment", "n": 5, "m": 15, "probabilistic": True}, where)
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.transforms"):
+        name, t, _ = build_transform({"name": "RandAugment", "magnitude": 9}, where)
+    assert type(t).__name__ == "RandAugment" and t.magnitude == 9 and t.num_magnitude_bins == 31
+    assert ("config.DATA.TRAIN.TRANSFORMS[2]: RandAugment runs torchvision's: num_ops=2, magnitude 9 of "
+            "num_magnitude_bins=31 (0-30); a VISSL config's RandAugment is VISSL's") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.transforms"):
+        build_transform({"name": "RandAugment", "num_ops": 2, "magnitude": 9}, where)
+        build_transform({"name": "RandAugment", "magnitude": 9, "num_magnitude_bins": 31}, where)
+    assert "RandAugment" not in caplog.text

@@ -26,6 +26,7 @@ what makes augmentation independent of workers and resumption (DESIGN rule 8).
 import copy
 import enum
 import inspect
+import logging
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +36,8 @@ from PIL import Image, ImageFilter, ImageOps
 
 from ssl_engine.errors import UserError, whole_number
 from ssl_engine.registry import TRANSFORMS, accepted_params
+
+logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- torchvision
 
@@ -277,6 +280,39 @@ class ImgPilMultiCropRandomApply:
 
 # ----------------------------------------------------------------------------- building
 
+#: VISSL registers a RandAugment of its own (timm's ops, ``magnitude`` on a 0-10 scale) under
+#: torchvision's name; ``RandAugment`` here is torchvision's (``magnitude`` on a 0..30 scale)
+_VISSL_RANDAUGMENT = ("VISSL's RandAugment (timm's ops, magnitude on a 0-10 scale, magnitude_std, num_layers, "
+                      "increasing_severity, weight_choice; other keys unread), which ssl_engine does not implement")
+
+
+def _check_randaugment(params: Dict[str, Any], where: str) -> None:
+    """A ``RandAugment`` entry of a VISSL config means VISSL's transform, not torchvision's: keys
+    only VISSL's takes are an error that says so; an entry that names none of torchvision's own
+    keys (``num_ops``, ``num_magnitude_bins``) runs torchvision's, with a warning that its
+    ``magnitude`` is on another scale than VISSL's (9 is 90% of VISSL's strongest, 30% of
+    torchvision's)."""
+    accepted = accepted_params(T.RandAugment)
+    foreign = [k for k in params if k not in accepted]
+    if foreign:
+        raise UserError(
+            f"{where}: RandAugment here is torchvision's ({', '.join(accepted)}), which does not take "
+            f"{', '.join(foreign)}; a VISSL config's RandAugment is {_VISSL_RANDAUGMENT}: give torchvision's "
+            f"parameters, or register your own with @TRANSFORMS.register('RandAugment') in a file listed in "
+            f"config.USER_MODULES"
+        )
+    if any(k in params for k in ("num_ops", "num_magnitude_bins")):
+        return
+    from ssl_engine import distributed as du
+
+    if du.is_primary():
+        logger.warning(
+            "%s: RandAugment runs torchvision's: num_ops=2, magnitude %s of num_magnitude_bins=31 (0-30); a VISSL "
+            "config's RandAugment is %s, so this augments otherwise than VISSL did; set num_magnitude_bins (or "
+            "num_ops) in the entry to say you mean torchvision's", where, params.get("magnitude", 9), _VISSL_RANDAUGMENT,
+        )
+
+
 
 def _convert_param(key: str, value: Any, where: str) -> Any:
     """Yaml-friendly parameter values: interpolation names, nested transform lists, lists as tuples."""
@@ -307,6 +343,8 @@ def build_transform(spec: Dict[str, Any], where: str = "transform") -> Tuple[str
     except UserError as exc:  # the registry's message lists the known names
         raise UserError(f"{where}: {exc}") from None
     params = {k: _convert_param(k, v, where) for k, v in params.items()}
+    if cls is T.RandAugment:
+        _check_randaugment(params, where)
     try:
         transform = cls(**params)
     except (TypeError, ValueError, IndexError) as exc:  # e.g. a one-value RandomResizedCrop scale

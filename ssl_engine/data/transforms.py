@@ -280,10 +280,12 @@ class ImgPilMultiCropRandomApply:
 
 # ----------------------------------------------------------------------------- building
 
-#: VISSL registers a RandAugment of its own (timm's ops, ``magnitude`` on a 0-10 scale) under
-#: torchvision's name; ``RandAugment`` here is torchvision's (``magnitude`` on a 0..30 scale)
+#: VISSL registers a RandAugment of its own (timm's ops, ``magnitude`` on a 0-10 scale; a later
+#: one takes n, m, probabilistic) under torchvision's name; ``RandAugment`` here is torchvision's
+#: (``magnitude`` on a 0..30 scale)
 _VISSL_RANDAUGMENT = ("VISSL's RandAugment (timm's ops, magnitude on a 0-10 scale, magnitude_std, num_layers, "
-                      "increasing_severity, weight_choice; other keys unread), which ssl_engine does not implement")
+                      "increasing_severity, weight_choice; in later VISSL n, m, probabilistic), which ssl_engine does "
+                      "not implement")
 
 
 def _check_randaugment(params: Dict[str, Any], where: str) -> None:

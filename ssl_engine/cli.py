@@ -127,9 +127,14 @@ def start_forkserver_early(cfg) -> None:
         log.debug("could not start the forkserver early: %s", e)
 
 
-def prepare_config(overrides: List[str], tool_process: bool = False):
+def prepare_config(overrides: List[str], tool_process: bool = False,
+                   checked: Optional[Callable[[Any], Any]] = None):
     """Compose, import user modules, and check names and paths: the cheap checks, which need no
     model or data.
+
+    ``checked(cfg)`` gives the part of the config the command builds and reads, whose registry
+    names and data paths are checked (None: nothing of it, e.g. a kNN test of features already
+    on disk); by default the whole config less an extraction's left-out splits.
 
     In a library call torch is imported only once the config has composed. In the tool's own
     process (``tool_process``) a forked child composes the config while this process imports
@@ -160,9 +165,10 @@ def prepare_config(overrides: List[str], tool_process: bool = False):
     if pending is not None:
         cfg = pending.result()
     import_user_modules(cfg.USER_MODULES)
-    used = without_unextracted_splits(cfg)  # an extraction's left-out splits are not checked
-    check_registered_names(used)
-    check_data_paths(used)
+    used = without_unextracted_splits(cfg) if checked is None else checked(cfg)  # an extraction's left-out splits are not checked
+    if used is not None:
+        check_registered_names(used)
+        check_data_paths(used)
     return cfg
 
 
@@ -220,14 +226,16 @@ def one_thread_in_this_process() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool = False) -> int:
+def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool = False,
+                checked: Optional[Callable[[Any], Any]] = None) -> int:
     """A command line tool's frame: parse ``config=... key=value`` arguments, compose and check
     the config, run ``body(cfg, node_id)``, and turn user errors into one line and exit code 2
     (a non-finite loss: exit 1; Ctrl-C: 130). ``--debug`` or SSL_ENGINE_DEBUG=1 keeps tracebacks.
 
     ``tool_process``: this process is the command's own, started to run it and end (the tools'
     ``__main__``), not a caller that goes on afterwards: composing may then overlap importing
-    torch, and a config mistake may end the process directly (see prepare_config)."""
+    torch, and a config mistake may end the process directly (see prepare_config). ``checked``:
+    the part of the config whose names and paths are checked (see prepare_config)."""
     code = RUN_FAILED_EXIT_CODE  # an exception out of the command (a bug) ends the process with 1
     if tool_process:
         import atexit
@@ -236,7 +244,7 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         # runs the last registered first): the last Python code of the process
         atexit.register(_ignore_ctrl_c_from_now)
     try:
-        code = _run_command(argv, body, tool_process)
+        code = _run_command(argv, body, tool_process, checked)
         return code
     finally:
         if tool_process:  # the command has ended: its exit code must survive the process's shutdown
@@ -246,7 +254,8 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
             _exit_at_once_on_ctrl_c(code)
 
 
-def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool) -> int:
+def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool,
+                 checked: Optional[Callable[[Any], Any]] = None) -> int:
     from ssl_engine import startup_gc
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -260,7 +269,7 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
             quiet_dependency_warnings()
             overrides, node_id, flag = _split_args(argv)
             debug = debug or flag
-            cfg = prepare_config(overrides, tool_process=tool_process and not debug)
+            cfg = prepare_config(overrides, tool_process=tool_process and not debug, checked=checked)
         return body(cfg, node_id)
     except UserError as e:
         _report(e, debug)

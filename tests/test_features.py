@@ -1364,3 +1364,32 @@ def test_knn_tool_names_a_layer_that_only_one_split_has(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert f"kNN: 'res4' in {tmp_path} has train features but no test features: not evaluated" in out
     assert f"kNN: 'heads' in {tmp_path} has test features but no train features: not evaluated" in out
+
+
+def test_knn_tool_reading_a_features_path_checks_no_data_or_model_of_the_config(tmp_path: Path, capsys) -> None:
+    """With NEAREST_NEIGHBOR.FEATURES.PATH the kNN test reads features only. A VISSL kNN config
+    that names its data by DATASET_NAMES (no DATA_PATHS), or a trunk ssl_engine lacks whose
+    features VISSL extracted, is tested on those features (was: exit 2, 'config.DATA.TRAIN.DATA_PATHS
+    is missing the path for source 0', about data the test never reads)."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("test", 4)):
+        np.save(tmp_path / f"rank0_chunk0_{split}_res5avg_features.npy", rng.normal(size=(n, 8)).astype(np.float32))
+        np.save(tmp_path / f"rank0_chunk0_{split}_res5avg_targets.npy", (np.arange(n) % 2).reshape(n, 1))
+        np.save(tmp_path / f"rank0_chunk0_{split}_res5avg_inds.npy", np.arange(n))
+    yaml = tmp_path / "eval_resnet_8gpu_in1k_kNN.yaml"
+    yaml.write_text(
+        "# @package _global_\nconfig:\n  DATA:\n    TRAIN:\n      DATA_SOURCES: [disk_folder]\n"
+        "      LABEL_SOURCES: [disk_folder]\n      DATASET_NAMES: [imagenet1k_folder]\n    TEST:\n"
+        "      DATA_SOURCES: [disk_folder]\n      LABEL_SOURCES: [disk_folder]\n      DATASET_NAMES: [imagenet1k_folder]\n"
+        "  MODEL:\n    TRUNK:\n      NAME: vision_transformer\n  NEAREST_NEIGHBOR:\n    TOPK: 3\n")
+    spec = importlib.util.spec_from_file_location("nearest_neighbor_test", NN_TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    code = mod.main([f"config={yaml}", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "kNN res5avg (k=3, sigma=0.1, dot product; 6 train / 4 test, dim 8): top-1 " in out
+    # extracting first, the same config's data and trunk are checked as before
+    code = mod.main([f"config={yaml}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.MACHINE.DEVICE=cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "vision_transformer" in err[0], err

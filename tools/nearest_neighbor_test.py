@@ -101,10 +101,19 @@ def run(cfg: Any, node_id: int) -> int:
     return 0
 
 
+def checked(cfg: Any) -> Any:
+    """What of ``cfg`` the test builds and reads: nothing but NEAREST_NEIGHBOR when FEATURES.PATH
+    names the features (no data is read and no model built, so a VISSL config without DATA_PATHS,
+    or one of a trunk ssl_engine lacks whose features VISSL extracted, is tested as it is)."""
+    from ssl_engine.config.validate import without_unextracted_splits
+
+    return None if cfg.NEAREST_NEIGHBOR.FEATURES.PATH else without_unextracted_splits(cfg)
+
+
 def main(argv: Optional[List[str]] = None, tool_process: bool = False) -> int:
     from ssl_engine.cli import run_command
 
-    return run_command(argv, run, tool_process=tool_process)
+    return run_command(argv, run, tool_process=tool_process, checked=checked)
 
 
 if __name__ == "__main__":

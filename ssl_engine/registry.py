@@ -115,7 +115,7 @@ class Registry:
 TASKS = Registry("task", "config.TRAINER.TASK_NAME",
                  fsdp_variants={"self_supervision_fsdp_task": "self_supervision_task"})
 TRAIN_STEPS = Registry("train step", "config.TRAINER.TRAIN_STEP_NAME")
-ENGINES = Registry("engine", "engine_name")
+ENGINES = Registry("engine", "engine_name", "ENGINES", vissl_names=("extract_cluster", "extract_label_predictions"))
 HOOKS = Registry("hook", "config.HOOKS.CUSTOM[].name")
 TRUNKS = Registry("trunk", "config.MODEL.TRUNK.NAME", "TRUNKS", vissl_names=(
     "alexnet_bvlc", "alexnet_colorization", "alexnet_deepcluster", "alexnet_jigsaw", "alexnet_rotnet", "convit",

@@ -164,6 +164,11 @@ ROWS: List[Row] = [
       ("unknown transform 'ToTensr'", "did you mean 'ToTensor'"), tool=False),
     R("unknown-engine", ("engine_name=trian",), ("unknown engine 'trian'", "known: extract_features, train"),
     tool=False),
+    # VISSL's label-prediction engine (quick_extract_label_predictions.yaml): no "did you mean
+    # 'extract_features'", which writes features, not predictions
+    R("vissl-engine-not-implemented", ("engine_name=extract_label_predictions",),
+      ("engine 'extract_label_predictions' (config key engine_name) is one of VISSL's that ssl_engine does not "
+       "implement; implemented: extract_features, train", "@ENGINES.register('extract_label_predictions')"), tool=False),
     # a VISSL config of a method this engine lacks names several parts: all of them in one line
     R("unknown-parts-together", ("config.MODEL.HEAD.PARAMS=[[siamese_concat_view,{num_towers:9}]]",
                                  "config.DATA.TRAIN.COLLATE_FUNCTION=siamese_collator",

@@ -42,8 +42,9 @@ def load_builtin_parts() -> None:
 class Registry:
     """A name -> object table for one kind of part (trunk, loss, hook, ...).
 
-    ``vissl_names``: names VISSL 0.1.6 registers for this kind that the engine does not
-    implement. A VISSL config naming one is told so (and how to register one's own under that
+    ``vissl_names``: names VISSL registers for this kind (0.1.6, and its later main branch,
+    whose configs users run too: DINO on ConvNeXt / Swin, NNCLR, iBOT, MSN) that the engine does
+    not implement. A VISSL config naming one is told so (and how to register one's own under that
     name), not offered the nearest implemented name, which would train something else.
     ``fsdp_variants``: VISSL's FSDP (fully sharded) variants of its parts, each mapped to the part
     it shards: the engine trains with DDP, so a config naming one is told to name the other.
@@ -119,13 +120,18 @@ ENGINES = Registry("engine", "engine_name", "ENGINES", vissl_names=("extract_clu
 HOOKS = Registry("hook", "config.HOOKS.CUSTOM[].name")
 TRUNKS = Registry("trunk", "config.MODEL.TRUNK.NAME", "TRUNKS", vissl_names=(
     "alexnet_bvlc", "alexnet_colorization", "alexnet_deepcluster", "alexnet_jigsaw", "alexnet_rotnet", "convit",
-    "efficientnet", "vision_transformer", "xcit"), fsdp_variants={"regnet_fsdp": "regnet"})
-HEADS = Registry("head", "config.MODEL.HEAD.PARAMS", "HEADS", vissl_names=("dino_head", "identity", "siamese_concat_view"),
+    "efficientnet", "vision_transformer", "xcit", "beit", "classy_vit", "convnext", "mobilenetv3_tv", "regnet_v2",
+    "swin_transformer"), fsdp_variants={"regnet_fsdp": "regnet"})
+HEADS = Registry("head", "config.MODEL.HEAD.PARAMS", "HEADS", vissl_names=(
+    "dino_head", "identity", "siamese_concat_view", "eval_mlp_pooled", "ibot_distillation_head", "ibot_head", "mlp_res",
+    "mobilenet_v3_head", "msn_head", "vision_transformer_head"),
                  fsdp_variants={"mlp_fsdp": "mlp", "eval_mlp_fsdp": "eval_mlp", "swav_head_fsdp": "swav_head",
                                 "dino_head_fsdp": "dino_head"})
 LOSSES = Registry("loss", "config.LOSS.name", "LOSSES", vissl_names=(
     "bce_logits_multiple_output_single_target", "byol_loss", "deepclusterv2_loss", "dino_loss", "nce_loss_with_memory",
-    "swav_momentum_loss"))
+    "swav_momentum_loss", "dino_distillation_loss", "ibot_distillation_loss", "ibot_loss", "msn_distillation_loss",
+    "msn_loss", "nnclr_info_nce_loss", "soft_target_cross_entropy_multiple_output_single_target",
+    "swav_distillation_loss"))
 METERS = Registry("meter", "config.METERS.names", "METERS", vissl_names=("mean_ap_list_meter",))
 OPTIMIZERS = Registry("optimizer", "config.OPTIMIZER.name")
 DATA_SOURCES = Registry("data source", "config.DATA.<split>.DATA_SOURCES", "DATA_SOURCES",
@@ -136,4 +142,5 @@ TRANSFORMS = Registry("transform", "config.DATA.<split>.TRANSFORMS[].name", "TRA
     "ImgPilToRawTensor", "ImgToTensor", "MNISTImgPil2RGB", "OneHotEncode", "ShuffleImgPatches",
     "VisslAutoAugment"))
 COLLATORS = Registry("collator", "config.DATA.<split>.COLLATE_FUNCTION", "COLLATORS", vissl_names=(
-    "cutmixup_collator", "patch_and_image_collator", "siamese_collator", "targets_one_hot_default_collator"))
+    "cutmixup_collator", "patch_and_image_collator", "siamese_collator", "targets_one_hot_default_collator",
+    "ibot_multicrop_masking_collator", "identity_collator", "multicrop_mixup_collator"))

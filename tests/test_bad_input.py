@@ -153,6 +153,14 @@ ROWS: List[Row] = [
     R("vissl-loss-not-implemented", ("config.LOSS.name=deepclusterv2_loss",),
       ("loss 'deepclusterv2_loss' (config key config.LOSS.name) is one of VISSL's that ssl_engine does not implement",
        "implemented: CrossEntropyLoss,", "@LOSSES.register('deepclusterv2_loss') in a file listed in config.USER_MODULES"), tool=False),
+    # parts of VISSL's main branch after 0.1.6, named by its later configs: no "did you mean" the
+    # hard-label loss for the soft-target one, or the collator without mixup for the one with it
+    R("vissl-later-loss-not-implemented", ("config.LOSS.name=soft_target_cross_entropy_multiple_output_single_target",),
+      ("loss 'soft_target_cross_entropy_multiple_output_single_target' (config key config.LOSS.name) is one of "
+       "VISSL's that ssl_engine does not implement",), tool=False),
+    R("vissl-later-collator-not-implemented", ("config.DATA.TRAIN.COLLATE_FUNCTION=multicrop_mixup_collator",),
+      ("collator 'multicrop_mixup_collator' (config key config.DATA.TRAIN.COLLATE_FUNCTION) is one of VISSL's that "
+       "ssl_engine does not implement", "@COLLATORS.register('multicrop_mixup_collator')"), tool=False),
     R("vissl-trunk-not-implemented", ("config.MODEL.TRUNK.NAME=vision_transformer",),
       ("trunk 'vision_transformer' (config key config.MODEL.TRUNK.NAME) is one of VISSL's",
        "implemented: mlp, regnet, resnet"), tool=False),

@@ -91,6 +91,31 @@ def test_composed_vissl_style_config_gets_layer_names_and_fits_the_model() -> No
     assert meters[0].value == {"top_1": {"res5avg": 100.0, "res4": 0.0}}
 
 
+def test_a_layer_the_map_lists_twice_feeds_two_heads_with_a_meter_and_features_each() -> None:
+    """VISSL's MobileNet linear evaluation lists one layer several times, a head on each entry (other
+    pool ops or head settings); VISSL's trunk returns the layer once per entry. It was refused
+    ('layer ... is listed twice; each layer may appear once'); now each entry feeds its head, and
+    the second entry of a layer is named <layer>_1 in the meters and the extracted features, so
+    that neither hides the other's value or file."""
+    pool_map = ("[[res5avg,[Identity,[]]],[res5avg,[Identity,[]]],[res4,[AdaptiveAvgPool2d,[[2,2]]]],"
+                "[res4,[AdaptiveMaxPool2d,[[1,1]]]]]")
+    heads = ("[[eval_mlp,{in_channels:512,dims:[512,10]}],[eval_mlp,{in_channels:512,dims:[512,10],use_relu:true}],"
+             "[eval_mlp,{in_channels:256,dims:[1024,10]}],[eval_mlp,{in_channels:256,dims:[256,10]}]]")
+    cfg = compose([*LINEAR, f"config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP={pool_map}",
+                   f"config.MODEL.HEAD.PARAMS={heads}"])
+    assert list(cfg.METERS.accuracy_list_meter.meter_names) == ["res5avg", "res5avg_1", "res4", "res4_1"]
+    model = build_model(cfg.MODEL, cfg.OPTIMIZER)
+    check_meters_fit_model(build_meters(cfg.METERS), model)  # no error
+    model.eval()
+    x = torch.randn(2, 3, 32, 32)
+    out = model(x)
+    assert [tuple(o.shape) for o in out] == [(2, 10)] * 4
+    feats = model.extract_features(x)
+    assert list(feats) == ["res5avg", "res5avg_1", "res4", "res4_1"]
+    assert torch.equal(feats["res5avg"], feats["res5avg_1"])
+    assert (feats["res4"].flatten(1).shape[1], feats["res4_1"].flatten(1).shape[1]) == (1024, 256)
+
+
 def test_prelaunch_check_still_catches_a_real_mismatch() -> None:
     # not a feature-eval model (trunk not frozen): nothing is inferred, 1 meter for 2 outputs
     cfg = compose([*LINEAR, "config.MODEL.FEATURE_EVAL_SETTINGS.FREEZE_TRUNK_ONLY=false",

@@ -31,7 +31,7 @@ when the optimizer is built, for each schedule by its own ``auto_lr_scaling``); 
 
 import copy
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ssl_engine.errors import ConfigError, whole_number
 
@@ -162,13 +162,28 @@ def _named_meters(meters: Dict[str, Any]) -> List[str]:
     return [str(n) for n in names]
 
 
+def feature_output_names(layers: Sequence[str]) -> List[str]:
+    """The names of LINEAR_EVAL_FEAT_POOL_OPS_MAP's outputs (their meter values, their extracted
+    features): each entry's layer name, and for a layer the map lists again (several heads on one
+    layer, with other pool ops or settings, as VISSL's MobileNet linear evaluation does)
+    ``<layer>_1``, ``<layer>_2``, ..., so that no entry's value or file hides another's."""
+    seen: Dict[str, int] = {}
+    names = []
+    for layer in layers:
+        count = seen.get(layer, 0)
+        names.append(layer if count == 0 else f"{layer}_{count}")
+        seen[layer] = count + 1
+    return names
+
+
 def infer_meters(cfg: Dict[str, Any]) -> None:
     """num_meters / meter_names of the list meters from LINEAR_EVAL_FEAT_POOL_OPS_MAP (in place)."""
     meters = cfg.get("METERS")
     if not isinstance(meters, dict) or not is_feature_eval_model(cfg.get("MODEL") or {}):
         return
     pool_map = cfg["MODEL"]["FEATURE_EVAL_SETTINGS"]["LINEAR_EVAL_FEAT_POOL_OPS_MAP"]
-    layers = [str(entry[0]) if isinstance(entry, (list, tuple)) and entry else str(entry) for entry in pool_map]
+    layers = feature_output_names(
+        [str(entry[0]) if isinstance(entry, (list, tuple)) and entry else str(entry) for entry in pool_map])
     for name in _named_meters(meters):
         if name not in LIST_METERS:
             continue

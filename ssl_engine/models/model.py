@@ -27,6 +27,7 @@ import torch.nn as nn
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import UserError
 from ssl_engine.models.param_names import match_params, no_such_params
+from ssl_engine.config.infer import feature_output_names
 from ssl_engine.models.pooling import POOL_OPS_KEY, parse_feat_pool_ops_map, pooled_positions
 from ssl_engine.registry import HEADS, TRUNKS, accepted_params
 
@@ -138,6 +139,8 @@ class SSLModel(nn.Module):
         valid_layers = self._trunk_feature_names()
         pool_map = parse_feat_pool_ops_map(self._settings["LINEAR_EVAL_FEAT_POOL_OPS_MAP"], valid_layers)
         self.feat_layer_names: List[str] = [layer for layer, _ in pool_map]
+        # a layer the map lists again (several heads on it) names its features <layer>_1, ...
+        self.feat_output_names: List[str] = feature_output_names(self.feat_layer_names)
         # Pool ops have no parameters, so they add nothing to the state dict.
         self.feat_pool_ops = nn.ModuleList([op for _, op in pool_map])
         self.linear_eval_mode = self._settings["EVAL_MODE_ON"] and bool(pool_map)
@@ -406,7 +409,7 @@ class SSLModel(nn.Module):
         flatten = self._settings["SHOULD_FLATTEN_FEATS"]
         if self.feat_layer_names:
             feats = self._pooled_features(batch, flatten)
-            return dict(zip(self.feat_layer_names, feats))
+            return dict(zip(self.feat_output_names, feats))
         if not self.extracts_head_output:
             feat = self._trunk_forward(batch, None)[0]
             if flatten:

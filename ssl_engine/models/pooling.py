@@ -57,11 +57,11 @@ def parse_feat_pool_ops_map(
     """``[[layer, [op_name, [args]]], ...]`` -> ``[(layer, op_module), ...]`` in the given order.
 
     ``valid_layers`` (the trunk's feature names), when given, is used to reject unknown layers
-    at build time rather than at the first batch. A layer may appear only once, because the
-    extracted features are keyed by layer name.
+    at build time rather than at the first batch. A layer may appear more than once, as in
+    VISSL (several heads on one layer); its outputs are then named by
+    :func:`ssl_engine.config.infer.feature_output_names`.
     """
     result: List[Tuple[str, nn.Module]] = []
-    seen = set()
     for idx, entry in enumerate(pool_ops_map or []):
         where = f"{POOL_OPS_KEY}[{idx}]"
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)):
@@ -75,9 +75,6 @@ def parse_feat_pool_ops_map(
                 f"{where}: unknown trunk layer {layer!r}{did_you_mean(layer, valid_layers)}; "
                 f"valid layers: {', '.join(valid_layers)}"
             )
-        if layer in seen:
-            raise UserError(f"{where}: layer {layer!r} is listed twice; each layer may appear once")
-        seen.add(layer)
         if isinstance(op_spec, str):
             op_name, args = op_spec, []
         elif isinstance(op_spec, (list, tuple)) and 1 <= len(op_spec) <= 2 and isinstance(op_spec[0], str):

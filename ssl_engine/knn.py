@@ -31,10 +31,18 @@ def _rows(x: Any) -> np.ndarray:
     return x.reshape(len(x), int(np.prod(x.shape[1:], dtype=np.int64)))
 
 
-def _labels(y: np.ndarray) -> np.ndarray:
-    """[N] labels; of [N, L] targets (several label sources) the first column."""
+def _labels(y: np.ndarray, split: str = "") -> np.ndarray:
+    """[N] labels; of [N, L] targets (several label sources) the first column. Targets of more
+    dimensions (a file written as [N, 1, 1]) are read as [N, L] rows; rows of no label are a
+    UserError naming the split (a column of [N, 1, 1] gave [N, 1] labels, and the vote a traceback)."""
     y = np.asarray(y)
-    return y[:, 0] if y.ndim > 1 else y.reshape(-1)
+    if y.ndim <= 1:
+        return y.reshape(-1)
+    rows = y.reshape(len(y), int(np.prod(y.shape[1:], dtype=np.int64)))
+    if rows.shape[1] == 0:
+        raise UserError(f"kNN: the {split or 'given'} targets have shape {tuple(y.shape)}: no label per sample; "
+                        f"targets are [N] class ids, or [N, L] with the class id first")
+    return rows[:, 0]
 
 
 def _integer_labels(split: str, y: np.ndarray) -> np.ndarray:
@@ -127,8 +135,8 @@ def knn_accuracy(
     """
     train_rows = _rows(train_features)
     test = _rows(test_features)
-    ytrain = _as_tensor(_integer_labels("train", _labels(train_labels)), torch.int64).to(device)
-    ytest = _as_tensor(_integer_labels("test", _labels(test_labels)), torch.int64)
+    ytrain = _as_tensor(_integer_labels("train", _labels(train_labels, "train")), torch.int64).to(device)
+    ytest = _as_tensor(_integer_labels("test", _labels(test_labels, "test")), torch.int64)
     if len(ytrain) != len(train_rows) or len(ytest) != len(test):
         raise UserError(
             f"kNN: {len(train_rows)} train features with {len(ytrain)} labels, {len(test)} test features with "

@@ -1393,3 +1393,27 @@ def test_knn_tool_reading_a_features_path_checks_no_data_or_model_of_the_config(
     code = mod.main([f"config={yaml}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.MACHINE.DEVICE=cpu"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "vision_transformer" in err[0], err
+
+
+def test_knn_tool_reads_targets_of_more_dimensions_and_refuses_targets_without_a_label(tmp_path: Path) -> None:
+    """VISSL targets saved as [N, 1, 1]: the first column was an [N, 1] array, and the vote's
+    scatter_add a RuntimeError traceback from the kNN tool; they are now read as [N, 1] targets.
+    Targets with no label per sample ([N, 0]) are one line naming the split, exit 2 (an IndexError)."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(3, 8)).astype(np.float32) * 5
+    for split, n in (("train", 30), ("test", 12)):
+        labels = np.arange(n) % 3
+        np.save(tmp_path / f"rank0_{split}_heads_features.npy", centres[labels] + rng.normal(size=(n, 8)).astype(np.float32))
+        np.save(tmp_path / f"rank0_{split}_heads_targets.npy", labels.reshape(n, 1, 1).astype(np.int64))
+        np.save(tmp_path / f"rank0_{split}_heads_inds.npy", np.arange(n, dtype=np.int64))
+    args = ["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}",
+            "config.NEAREST_NEIGHBOR.TOPK=3"]
+    proc = tool(args, script=NN_TOOL)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("kNN heads")]
+    assert len(line) == 1 and "top-1 100.00%" in line[0], proc.stdout[-2000:] + proc.stderr[-2000:]
+    np.save(tmp_path / "rank0_test_heads_targets.npy", np.zeros((12, 0), dtype=np.int64))
+    proc = tool(args, script=NN_TOOL, ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: kNN heads in {tmp_path}: the test targets have shape (12, 0): no label per sample; targets are [N] "
+        f"class ids, or [N, L] with the class id first"), proc.stderr[-2000:]

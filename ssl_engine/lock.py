@@ -247,8 +247,17 @@ class FolderLock:
         try:
             os.write(fd, payload)
             os.fsync(fd)
-        finally:
+        except OSError as e:
+            # a full disk (or quota) takes the file but not its record: an empty lock left behind
+            # would hold the folder for the next run's grace period, and the OSError was a traceback
             os.close(fd)
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            raise UserError(f"cannot write the lock file {self.path}: {e.strerror or e}; free space there (or use "
+                            f"another folder) and rerun") from None
+        os.close(fd)
         return True
 
     def _age(self) -> float:

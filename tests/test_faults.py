@@ -111,6 +111,48 @@ def test_disk_full_mid_checkpoint_keeps_the_previous_one_and_names_the_folder(tm
     assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
 
 
+LOCK_DISK_FULL = '''\
+    """The disk is full when the run writes its folder's lock file: the file is made (O_CREAT
+    takes no block), its record cannot be written."""
+    import errno
+    import os
+
+    from ssl_engine import lock
+
+    _real_write = os.write
+
+
+    class _Os:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(".lock"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return _real_write(fd, data)
+
+
+    lock.os = _Os()  # only the lock module's writes
+'''
+
+
+@pytest.mark.parametrize("engine", ["train", "extract_features"])
+def test_a_full_disk_when_the_lock_file_is_written_is_one_line_and_leaves_no_empty_lock(tmp_path, engine):
+    """The lock file's record cannot be written (ENOSPC): the OSError was a traceback (exit 1) and
+    left an empty train.lock / extract.lock in the folder, which the next run waited on and took
+    over with a warning; now one line naming the file, exit 2, and no lock file left."""
+    module = write_module(tmp_path, "lock_disk_full", LOCK_DISK_FULL)
+    run = tmp_path / "run"
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", f"config.USER_MODULES=[{module}]",
+                            f"engine_name={engine}"])
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    name = "train.lock" if engine == "train" else "extract.lock"
+    assert one_error_line(proc) == (f"error: cannot write the lock file {run / name}: No space left on device; free "
+                                    f"space there (or use another folder) and rerun")
+    assert not (run / name).exists() and temp_files(run) == []
+
+
 # ------------------------------------------------------------------------------------------------
 # non-finite loss
 

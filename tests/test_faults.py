@@ -153,6 +153,44 @@ def test_a_full_disk_when_the_lock_file_is_written_is_one_line_and_leaves_no_emp
     assert not (run / name).exists() and temp_files(run) == []
 
 
+class _FullDisk:
+    """A file whose writes and flushes fail as on a full disk."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    flush = close = lambda self: self.write(b"")
+
+
+def test_a_log_file_that_cannot_be_written_is_one_warning_not_a_traceback_per_record(tmp_path, capsys):
+    """log.txt on a full disk: logging printed '--- Logging error ---' and a traceback on stderr for
+    every record of the run (a full disk at extraction or training start); now one warning names
+    the file, the records still reach the console, and the file is written no more."""
+    from ssl_engine.logger import setup_logging
+
+    root = logging.getLogger()
+    level = root.level
+    try:
+        setup_logging(0, str(tmp_path))
+        handler = next(h for h in root.handlers if isinstance(h, logging.FileHandler) and getattr(h, "_ssl_engine", False))
+        handler.stream = _FullDisk()
+        for i in range(3):
+            logging.getLogger("ssl_engine.test").info("record %d", i)
+        captured = capsys.readouterr()
+    finally:
+        for h in root.handlers:
+            if isinstance(h, logging.FileHandler) and getattr(h, "_ssl_engine", False):
+                h.stream = None  # nothing left to close
+        setup_logging(0, None)  # the handlers of this test go
+        root.setLevel(level)
+    assert "Traceback" not in captured.err and "Logging error" not in captured.err, captured.err
+    warnings = [ln for ln in captured.out.splitlines() if ln.startswith("W ")]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        f"cannot write {tmp_path / 'log.txt'}: No space left on device; the log goes on on the console only"), captured.out
+    assert [ln.split("] ")[1] for ln in captured.out.splitlines() if ln.startswith("I ")] == [
+        "record 0", "record 1", "record 2"]
+
+
 # ------------------------------------------------------------------------------------------------
 # non-finite loss
 

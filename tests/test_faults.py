@@ -191,6 +191,57 @@ def test_a_log_file_that_cannot_be_written_is_one_warning_not_a_traceback_per_re
         "record 0", "record 1", "record 2"]
 
 
+JSON_DISK_FULL = '''\
+    """The disk fills up while a line of {target} is appended: after {after} lines, the next write
+    to it takes half the line (a short write, when {short}), every later one raises ENOSPC."""
+    import errno
+    import os
+
+    from ssl_engine.hooks import metrics_hook, periodic_writer
+
+    _real_write = os.write
+    _writes = []
+
+
+    class _Os:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            if os.readlink(f"/proc/self/fd/{{fd}}").endswith("{target}") and {after} < len(_writes) + 1:
+                _writes.append(fd)
+                if len(_writes) == {after} + 1 and {short}:
+                    return _real_write(fd, bytes(data)[: len(data) // 2])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if os.readlink(f"/proc/self/fd/{{fd}}").endswith("{target}"):
+                _writes.append(fd)
+            return _real_write(fd, data)
+
+
+    metrics_hook.os = periodic_writer.os = _Os()  # only these hooks' writes
+'''
+
+
+@pytest.mark.parametrize("target,after,short", [("stdout.json", 0, True), ("stdout.json", 1, True),
+                                               ("stdout.json", 1, False), ("metrics.json", 0, False)])
+def test_a_full_disk_while_a_json_line_is_appended_is_one_line_and_leaves_no_half_line(tmp_path, target, after, short):
+    """stdout.json / metrics.json on a disk that fills up: the OSError of os.write names no file, so
+    it was a traceback (exit 1) instead of the one line of a file-system error, and stdout.json kept
+    the half line a short write left. Now one line naming the file (exit 2); the file holds whole lines."""
+    module = write_module(tmp_path, "json_disk_full", JSON_DISK_FULL.format(target=target, after=after, short=short))
+    run = tmp_path / "run"
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", f"config.USER_MODULES=[{module}]",
+                            "config.LOG_FREQUENCY=1"])
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    line = one_error_line(proc)
+    assert line.startswith(f"error: cannot use {run / target}: ") and line.endswith("; free some space"), line
+    text = (run / target).read_text()
+    assert text.count("\n") == after and text.endswith("\n" if after else ""), text
+    assert all(json.loads(ln)["phase_idx"] == 0 for ln in text.splitlines())
+    assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # non-finite loss
 

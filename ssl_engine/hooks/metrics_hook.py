@@ -59,7 +59,10 @@ def append_line(path: Path, line: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
-        written = os.write(fd, data)
+        try:
+            written = os.write(fd, data)
+        except OSError as e:  # os.write names no file: with the name, a full disk is the run's one line
+            raise OSError(e.errno, e.strerror, str(path)) from None
         if written != len(data):
             os.ftruncate(fd, size)
             raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a metrics line could be written", str(path))

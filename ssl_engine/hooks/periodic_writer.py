@@ -6,6 +6,7 @@ the logged loss is averaged over ranks and the data time is the max over ranks.
 """
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -191,7 +192,15 @@ class JsonLinesWriter(Writer):
         return self._fd
 
     def write(self, s: Dict[str, Any]) -> None:
-        os.write(self._open(), (json.dumps(s) + "\n").encode())
+        data = (json.dumps(s) + "\n").encode()
+        fd = self._open()
+        try:
+            written = os.write(fd, data)
+        except OSError as e:  # os.write names no file: with the name, a full disk is the run's one line
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
+        if written != len(data):  # a full disk took part of the line: cut it off again
+            os.ftruncate(fd, os.fstat(fd).st_size - written)
+            raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a line could be written", str(self.path))
 
     def close(self) -> None:
         if self._fd is not None:

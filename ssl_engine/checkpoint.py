@@ -563,6 +563,23 @@ def list_checkpoints(folder: Path) -> List[Path]:
     return sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
 
 
+def checkpoint_entries(folder: Path) -> List[str]:
+    """The names of every entry of ``folder`` named as a checkpoint or as the pointer, whatever it
+    is, sorted; one that is not a file says what it is ('checkpoint.torch (a link to nothing)',
+    'model_phase0.torch (a folder)'). :func:`list_checkpoints` lists checkpoint files only."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in sorted(folder.iterdir()):
+        if p.name != POINTER and not _NAME_RE.match(p.name):
+            continue
+        what = "" if p.is_file() else " (a folder)" if p.is_dir() else " (a link to nothing)" if p.is_symlink() \
+            else " (not a file)"
+        out.append(p.name + what)
+    return out
+
+
 def prune(folder: Path, keep_last: int, protect: Optional[set] = None) -> None:
     """Delete phase/iteration checkpoints beyond the newest ``keep_last``; never a final one."""
     protect = set(protect or ())

@@ -906,6 +906,40 @@ def test_a_folder_whose_checkpoints_are_all_damaged_is_not_extracted_as_a_random
     assert not out.exists() or available(out) == []
 
 
+@pytest.mark.parametrize("damage,named", [
+    ("dangling pointer", "checkpoint.torch (a link to nothing)"),
+    ("pointer loop", "checkpoint.torch (a link to nothing)"),
+    ("unreadable copy", "checkpoint.torch"),
+    ("folder", "model_phase0.torch (a folder)"),
+])
+def test_a_folder_whose_only_checkpoint_entry_is_unusable_is_not_extracted_as_a_random_model(
+        tmp_path: Path, damage: str, named: str) -> None:
+    """A CHECKPOINT.DIR whose checkpoint.torch leads nowhere (the files it named were deleted), or
+    holds what no checkpoint holds (VISSL keeps a copy there, not a link), or a folder under a
+    checkpoint's name: the extraction wrote a random model's features, marked complete (exit 0),
+    as for a folder without checkpoints. Now the one line of a folder whose checkpoints are all
+    damaged, naming the entry."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if damage == "dangling pointer":
+        (run / "checkpoint.torch").symlink_to("model_phase3.torch")
+    elif damage == "pointer loop":
+        (run / "checkpoint.torch").symlink_to("checkpoint.torch")
+    elif damage == "unreadable copy":
+        torch.save([1, 2], run / "checkpoint.torch")
+    else:
+        (run / "model_phase0.torch").mkdir()
+    out = tmp_path / "out"
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={run}",
+                 f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TEST]", *DIGITS_SMALL],
+                ok=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert err[-1].startswith(f"error: config.CHECKPOINT.DIR {run}: none of its checkpoints can be used ({named}; "), err[-1]
+    assert "randomly initialised model (seed" not in proc.stdout + proc.stderr
+    assert not out.exists() or available(out) == []
+
+
 def test_trunk_features_of_a_training_folder_load_its_trunk_whatever_the_configs_heads(pretrained: Path, one_rank,
                                                                                      tmp_path: Path) -> None:
     # EXTRACT_TRUNK_FEATURES_ONLY needs the trunk's weights only: a config whose head differs from

@@ -31,7 +31,8 @@ import torch
 
 from ssl_engine import distributed as du
 from ssl_engine import preemption
-from ssl_engine.checkpoint import check_intact, list_checkpoints, load_checkpoint, newest_good_checkpoint, resume_from_file
+from ssl_engine.checkpoint import (check_intact, checkpoint_entries, list_checkpoints, load_checkpoint,
+                                   newest_good_checkpoint, resume_from_file)
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.config.validate import without_unextracted_splits
 from ssl_engine.distributed import RankInfo
@@ -96,8 +97,12 @@ def weights_checkpoint(cfg: AttrDict) -> Optional[str]:
     found = newest_good_checkpoint(folder)
     if found:
         return str(found[0])
-    unusable = [p.name for p in list_checkpoints(folder)]
-    if unusable:  # a trained run whose files are all damaged: never extract a random model in its place
+    # a trained run whose files are all damaged: never extract a random model in its place; that
+    # includes a checkpoint.torch (VISSL's copy, or the pointer) that does not load or leads nowhere,
+    # and a folder or a link to nothing under a checkpoint's name
+    unusable = [p.name for p in list_checkpoints(folder)]  # newest first
+    unusable += [name for name in checkpoint_entries(folder) if name not in unusable]
+    if unusable:
         shown = first_few(unusable, 4, quote=False)
         raise CheckpointError(
             f"config.CHECKPOINT.DIR {folder}: none of its checkpoints can be used ({shown}; the warnings above say "

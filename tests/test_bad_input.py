@@ -981,3 +981,17 @@ def test_a_folder_in_place_of_the_checkpoint_pointer_is_refused_before_launch(tm
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{tmp_path / 'run' / 'checkpoint.torch'} is a folder, not the run's checkpoint pointer" in err, err
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint.torch"]
+
+
+@pytest.mark.parametrize("name", ["model_phase0.torch", "model_iteration2.torch", "model_final_checkpoint_phase0.torch"])
+def test_a_folder_in_place_of_a_checkpoint_is_refused_before_launch(tmp_path, capsys, name):
+    """A folder named as a checkpoint the run writes: the run trained up to that checkpoint and
+    stopped there ('cannot write model_phase0.torch in ...: Is a directory'), on every rerun."""
+    (tmp_path / "run" / name).mkdir(parents=True)
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err == (f"error: config.CHECKPOINT.DIR {tmp_path / 'run'}: {tmp_path / 'run' / name} is a folder, not a "
+                   f"checkpoint (a file the run writes at a checkpoint of that name); move or remove it"), err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]

@@ -1026,12 +1026,19 @@ def is_resuming(cfg: AttrDict) -> bool:
 def check_pointer_is_not_a_folder(folder: Any) -> None:
     """A folder where the checkpoint pointer goes (``checkpoint.torch``) would stop the run at its
     first checkpoint, after the training up to there; say so before any process starts."""
-    from ssl_engine.checkpoint import POINTER
+    from ssl_engine.checkpoint import POINTER, checkpoint_entries
 
     pointer = Path(str(folder)).expanduser() / POINTER
     if pointer.is_dir() and not pointer.is_symlink():
         raise ConfigError(f"config.CHECKPOINT.DIR {folder}: {pointer} is a folder, not the run's checkpoint pointer "
                           f"(a file the run replaces at each checkpoint); move or remove it")
+    # so is a folder under a checkpoint's name (model_phase3.torch/): the run would stop at that
+    # checkpoint, after training up to it
+    for name in checkpoint_entries(pointer.parent):
+        path = pointer.parent / name.split(" ")[0]
+        if path.is_dir() and not path.is_symlink():
+            raise ConfigError(f"config.CHECKPOINT.DIR {folder}: {path} is a folder, not a checkpoint (a file the run "
+                              f"writes at a checkpoint of that name); move or remove it")
 
 
 def check_resume_file(cfg: AttrDict) -> None:

@@ -1018,8 +1018,10 @@ def vissl_fsdp_type(data: Dict[str, Any]) -> Optional[str]:
 _USUAL_KEYS = ("classy_state_dict", "model_state_dict", "state_dict", "model")  # read in this order by default
 
 
-def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[Dict[str, torch.Tensor], bool]:
+def _read_state_dict(data: Dict[str, Any], key_name: str, source: str,
+                     others: Optional[Dict[Any, str]] = None) -> Tuple[Dict[str, torch.Tensor], bool]:
     """The model weights held by a loaded file, and whether VISSL's prefix rule exempts them.
+    ``others`` (when given) gets the type of each entry beside them that holds no tensor.
 
     VISSL applies REMOVE_PREFIX / APPEND_PREFIX only when STATE_DICT_KEY_NAME is not
     classy_state_dict: a classy_state_dict's trunk/heads layout is mapped onto the model's names
@@ -1063,6 +1065,8 @@ def _read_state_dict(data: Dict[str, Any], key_name: str, source: str) -> Tuple[
         tensor = _as_tensor(v)
         if tensor is not None:
             weights[k] = tensor
+        elif others is not None:
+            others[k] = type(v).__name__
     if not weights:
         # e.g. a DINO file's {"teacher": {...}, "student": {...}}: the keys that do hold weights
         holders = [str(k) for k, v in data.items() if k != key_name and isinstance(v, dict)
@@ -1216,7 +1220,8 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
     except CheckpointError as e:  # say which setting names the file
         raise CheckpointError(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE: {e}") from None
     check_intact(path, "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")
-    weights, layout_mapped = _read_state_dict(data, weights_cfg.STATE_DICT_KEY_NAME, str(path))
+    others: Dict[Any, str] = {}
+    weights, layout_mapped = _read_state_dict(data, weights_cfg.STATE_DICT_KEY_NAME, str(path), others)
     remove, append = weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX
     if layout_mapped and (remove or append):
         # VISSL's rule: its fulltune / low-shot configs set APPEND_PREFIX: trunk. with a
@@ -1228,8 +1233,8 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
             "STATE_DICT_KEY_NAMEs only)", given, path.name,
         )
         remove, append = "", ""
-    renamed = {}
-    for k, v in weights.items():
+
+    def rename(k: Any) -> str:
         if remove and k.startswith(remove):
             k = k[len(remove):]
         k = f"{append}{k}"
@@ -1237,10 +1242,28 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
             # VISSL's feature-evaluation wrapper: its docs give APPEND_PREFIX=trunk.base_model._feature_blocks.
             # for torchvision weights; this model's trunk has no wrapper (as _flatten_vissl_model reads it)
             k = "trunk." + k[len(_VISSL_EVAL_TRUNK):]
-        renamed[k] = v
+        return k
+
+    renamed = {rename(k): v for k, v in weights.items()}
     skip = [s for s in weights_cfg.SKIP_LAYERS if s]
     own = model.state_dict()
-    if not loads_head_weights(model_cfg):
+    heads_load = loads_head_weights(model_cfg)
+    # an entry under a weight's name that is no tensor, or a tensor of values the weight cannot hold
+    # (integers, booleans or complex numbers for a float weight), is a damaged or foreign file: it was
+    # left out as a 'missing' weight at its random init, or copied with its values cut (0.7 -> 0)
+    wrong = [f"{name} holds a {kind}, not a tensor" for name, kind in ((rename(k), t) for k, t in others.items()
+                                                                      if isinstance(k, str))
+             if name in own and (heads_load or not name.startswith("heads.")) and not any(s in name for s in skip)]
+    wrong += [f"{k} holds {v.dtype} values, the model's weight is {own[k].dtype}" for k, v in renamed.items()
+              if k in own and own[k].is_floating_point() and not v.is_floating_point()
+              and (heads_load or not k.startswith("heads.")) and not any(s in k for s in skip)]
+    if wrong:
+        raise UserError(
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {len(wrong)} of its entries named as the model's weights "
+            f"are not weights ({first_few(wrong, 3, quote=False)}); each weight is a tensor (or numeric array) of "
+            f"floating-point values: the file was changed, or written by a program that stores something else there"
+        )
+    if not heads_load:
         heads = [k for k in renamed if k.startswith("heads.")]
         renamed = {k: v for k, v in renamed.items() if not k.startswith("heads.")}
         if heads:

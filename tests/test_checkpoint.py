@@ -239,6 +239,35 @@ def test_init_from_weights_with_nan_or_inf_is_refused_naming_the_file(tmp_path):
     assert torch.equal(model.state_dict()["trunk._feature_blocks.layer1.0.conv1.weight"], before)  # nothing loaded
 
 
+@pytest.mark.parametrize("value,says", [
+    ([1.0, 2.0], "holds a list, not a tensor"),
+    ("conv", "holds a str, not a tensor"),
+    (torch.zeros(64, 3, 7, 7, dtype=torch.int64), "holds torch.int64 values, the model's weight is torch.float32"),
+    (torch.zeros(64, 3, 7, 7, dtype=torch.complex64), "holds torch.complex64 values, the model's weight is torch.float32"),
+])
+def test_init_from_a_file_whose_weight_entry_is_not_a_float_tensor_is_refused(tmp_path, value, says):
+    """An entry under a weight's name holding no tensor was left out as 'missing' (the weight kept
+    its random init, a warning, and extraction went on); integer or complex values were copied into
+    the float weight, cut to integers or real parts. Both are one error naming the entry; nothing is
+    loaded. A float16 file loads as before."""
+    state = torchvision.models.resnet18().state_dict()
+    state["conv1.weight"] = value
+    torch.save(state, str(tmp_path / "odd.pth"))
+    model = resnet18_model()
+    before = model.state_dict()["trunk._feature_blocks.layer1.0.conv1.weight"].clone()
+    cfg = weights_cfg(tmp_path / "odd.pth", STATE_DICT_KEY_NAME="", APPEND_PREFIX="trunk._feature_blocks.")
+    with pytest.raises(UserError) as e:
+        ck.init_model_from_weights(model, cfg)
+    assert str(e.value).startswith(
+        f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {tmp_path / 'odd.pth'}: 1 of its entries named as the model's weights "
+        f"are not weights (trunk._feature_blocks.conv1.weight {says}); "), str(e.value)
+    assert torch.equal(model.state_dict()["trunk._feature_blocks.layer1.0.conv1.weight"], before)  # nothing loaded
+    state["conv1.weight"] = torch.ones(64, 3, 7, 7, dtype=torch.float16)
+    torch.save(state, str(tmp_path / "odd.pth"))
+    ck.init_model_from_weights(model, cfg)
+    assert torch.equal(model.state_dict()["trunk._feature_blocks.conv1.weight"], torch.ones(64, 3, 7, 7))
+
+
 def test_init_from_vissl_layout_and_removed_prefix(tmp_path):
     src = resnet18_model()
     state = {"trunk": {k[len("trunk."):]: v for k, v in src.state_dict().items() if k.startswith("trunk.")},

@@ -1451,3 +1451,19 @@ def test_knn_tool_reads_targets_of_more_dimensions_and_refuses_targets_without_a
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: kNN heads in {tmp_path}: the test targets have shape (12, 0): no label per sample; targets are [N] "
         f"class ids, or [N, L] with the class id first"), proc.stderr[-2000:]
+
+
+def test_knn_tool_checks_the_extraction_before_launch_as_the_engine_tool_does(tmp_path: Path) -> None:
+    """The kNN tool launched its extraction without the checks run_distributed_engines.py makes
+    before any rank starts: an EXTRACT_FEATURES.OUTPUT_DIR that is a file was a FileExistsError
+    traceback (exit 1) from the rank, after CHECKPOINT.DIR had been made for its log. Now the
+    engine tool's one line, exit 2, and nothing is made."""
+    afile = tmp_path / "features"
+    afile.write_text("not a folder\n")
+    run = tmp_path / "run"
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={run}",
+                 f"config.EXTRACT_FEATURES.OUTPUT_DIR={afile}", *DIGITS_SMALL], script=NN_TOOL, ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: config.EXTRACT_FEATURES.OUTPUT_DIR={afile} is a file, not a folder; name a folder for the run's files"]
+    assert not run.exists() and afile.read_text() == "not a folder\n"

@@ -36,9 +36,11 @@ def extract(cfg, node_id: int = 0) -> int:
             raise UserError(
                 f"the kNN test compares class labels, but config.DATA.{split}.LABEL_TYPE={label_type} gives the "
                 f"features {targets_of(label_type)} as targets; set config.DATA.{split}.LABEL_TYPE=standard")
+    from ssl_engine.cli import check_before_launch
     from ssl_engine.launch import launch
 
     cfg.engine_name = "extract_features"
+    check_before_launch(cfg, node_id)  # as run_distributed_engines.py checks an extraction, before any rank starts
     return launch(cfg, node_id=node_id)
 
 

@@ -285,6 +285,9 @@ class FolderLock:
                 self.path.unlink()
         except FileNotFoundError:
             pass
+        except OSError as e:  # a full disk: the guard is removed below, the stale lock stays for the next run
+            raise UserError(f"cannot write {guard} (to take over the stale lock {self.path.name}): {e.strerror or e}; "
+                            f"free space there (or use another folder) and rerun") from None
         finally:
             os.close(fd)
             try:

@@ -128,7 +128,7 @@ LOCK_DISK_FULL = '''\
 
         @staticmethod
         def write(fd, data):
-            if os.readlink(f"/proc/self/fd/{fd}").endswith(".lock"):
+            if os.readlink(f"/proc/self/fd/{fd}").endswith((".lock", ".lock.takeover")):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return _real_write(fd, data)
 
@@ -138,19 +138,36 @@ LOCK_DISK_FULL = '''\
 
 
 @pytest.mark.parametrize("engine", ["train", "extract_features"])
-def test_a_full_disk_when_the_lock_file_is_written_is_one_line_and_leaves_no_empty_lock(tmp_path, engine):
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_full_disk_when_the_lock_file_is_written_is_one_line_and_leaves_no_empty_lock(tmp_path, engine, stale):
     """The lock file's record cannot be written (ENOSPC): the OSError was a traceback (exit 1) and
     left an empty train.lock / extract.lock in the folder, which the next run waited on and took
-    over with a warning; now one line naming the file, exit 2, and no lock file left."""
+    over with a warning; now one line naming the file, exit 2, and no lock file left. The same for
+    the guard file of the takeover of a stale lock (a run killed on that disk): the stale lock is
+    left for the next run to take over, and the guard is removed."""
     module = write_module(tmp_path, "lock_disk_full", LOCK_DISK_FULL)
     run = tmp_path / "run"
+    name = "train.lock" if engine == "train" else "extract.lock"
+    old = ""
+    if stale:
+        run.mkdir()
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        old = json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_ticks": 1, "token": "old"})
+        (run / name).write_text(old)
     proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", f"config.USER_MODULES=[{module}]",
                             f"engine_name={engine}"])
     assert proc.returncode == 2, proc.stderr[-4000:]
-    name = "train.lock" if engine == "train" else "extract.lock"
-    assert one_error_line(proc) == (f"error: cannot write the lock file {run / name}: No space left on device; free "
-                                    f"space there (or use another folder) and rerun")
-    assert not (run / name).exists() and temp_files(run) == []
+    if stale:
+        assert one_error_line(proc) == (
+            f"error: cannot write {run / (name + '.takeover')} (to take over the stale lock {name}): No space left on "
+            f"device; free space there (or use another folder) and rerun")
+        assert (run / name).read_text() == old
+    else:
+        assert one_error_line(proc) == (f"error: cannot write the lock file {run / name}: No space left on device; "
+                                        f"free space there (or use another folder) and rerun")
+        assert not (run / name).exists()
+    assert temp_files(run) == []
 
 
 class _FullDisk:

@@ -146,6 +146,9 @@ def knn_accuracy(
         raise UserError(f"kNN: needs train and test features; got {len(train_rows)} train and {len(test)} test samples")
     if train_rows.shape[1] != test.shape[1]:
         raise UserError(f"kNN: train features have dim {train_rows.shape[1]} but test features have dim {test.shape[1]}")
+    if train_rows.shape[1] == 0:  # no value to compare: numpy's max of an empty row was a ValueError traceback
+        raise UserError(f"kNN: the features have dim 0 (train shape {tuple(np.shape(train_features))}): no value to "
+                        f"compare; extract a layer with values")
     if int(ytrain.min()) < 0:
         raise UserError("kNN: the train features have no labels (negative targets); extract with LABEL_SOURCES set")
     _check_finite("train", train_rows, chunk_size)

@@ -1467,3 +1467,20 @@ def test_knn_tool_checks_the_extraction_before_launch_as_the_engine_tool_does(tm
     assert proc.stderr.strip().splitlines() == [
         f"error: config.EXTRACT_FEATURES.OUTPUT_DIR={afile} is a file, not a folder; name a folder for the run's files"]
     assert not run.exists() and afile.read_text() == "not a folder\n"
+
+
+def test_knn_of_features_of_dim_0_is_one_line(tmp_path: Path) -> None:
+    """VISSL shards whose features are [N, 0]: the cosine's scale (a max over each empty row) was
+    numpy's ValueError traceback from the kNN tool; one line, exit 2."""
+    with pytest.raises(UserError, match=r"^kNN: the features have dim 0 \(train shape \(6, 0\)\): no value to compare"):
+        knn_accuracy(np.ones((6, 0)), np.arange(6) % 2, np.ones((3, 0)), np.arange(3) % 2)
+    for split, n in (("train", 6), ("test", 3)):
+        np.save(tmp_path / f"rank0_{split}_heads_features.npy", np.ones((n, 0), dtype=np.float32))
+        np.save(tmp_path / f"rank0_{split}_heads_targets.npy", np.arange(n, dtype=np.int64) % 2)
+        np.save(tmp_path / f"rank0_{split}_heads_inds.npy", np.arange(n, dtype=np.int64))
+    proc = tool(["config=extract/simclr_digits_trunk", f"config.NEAREST_NEIGHBOR.FEATURES.PATH={tmp_path}"],
+                script=NN_TOOL, ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: kNN heads in {tmp_path}: the features have dim 0 (train shape (6, 0)): no value to compare; extract "
+        f"a layer with values")

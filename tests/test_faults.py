@@ -259,6 +259,38 @@ def test_a_full_disk_while_a_json_line_is_appended_is_one_line_and_leaves_no_hal
     assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
 
 
+TB_DISK_FULL = '''\
+    """The disk is full when TensorBoard's event file is written (its writer thread writes it)."""
+    import errno
+    import os
+
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+
+    def _write(self, filename, file_content, mode):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+    gfile.LocalFileSystem._write = _write
+'''
+
+
+@pytest.mark.parametrize("histograms", [False, True])
+def test_a_full_disk_under_tensorboard_is_one_line_naming_its_folder(tmp_path, histograms):
+    """TensorBoard's event file on a full disk: its writer thread printed the OSError's traceback,
+    the SummaryWriter raised it again (naming no file) as a traceback, exit 1, and closing the
+    writer on the way out raised it a third time over the run's own error. Now one line naming the
+    events folder, exit 2."""
+    module = write_module(tmp_path, "tb_disk_full", TB_DISK_FULL)
+    run = tmp_path / "run"
+    proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", f"config.USER_MODULES=[{module}]",
+                            "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true", "config.LOG_FREQUENCY=1",
+                            f"config.HOOKS.TENSORBOARD_SETUP.LOG_PARAMS={histograms}"])
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert one_error_line(proc) == f"error: cannot use {run / 'tb_logs'}: No space left on device; free some space"
+    assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # non-finite loss
 

@@ -320,4 +320,7 @@ class PeriodicWriterHook(SSLHook):
 
     def on_exception(self, task: Any) -> None:
         for w in self.writers:  # flush what was written so far (TensorBoard buffers events)
-            w.close()
+            try:
+                w.close()
+            except Exception as e:  # the run's own error is the one to report (a full disk fails both)
+                log.warning("could not close the %s: %s", type(w).__name__, e)

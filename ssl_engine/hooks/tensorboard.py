@@ -9,9 +9,10 @@ Events go to ``CHECKPOINT.DIR/tb_logs`` (or ``LOG_DIR/EXPERIMENT_LOG_DIR/tb_logs
 - ``Phase/{train|test}_{meter}/...`` and ``Phase/{train|test}_loss`` at each phase end.
 """
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 from ssl_engine import distributed as du
 from ssl_engine.hooks.base import Priority, SSLHook
@@ -31,6 +32,27 @@ def tensorboard_dir(cfg: Any) -> Path:
     if str(tb.LOG_DIR) in ("", "."):
         return Path(cfg.CHECKPOINT.DIR) / "tb_logs"
     return Path(str(tb.LOG_DIR)).expanduser() / str(tb.EXPERIMENT_LOG_DIR) / "tb_logs"
+
+
+def _quiet_event_writer_threads() -> None:
+    """TensorBoard's event writer thread that stops on an OSError (a full disk) printed the error's
+    traceback on stderr; the SummaryWriter raises the same error at its next call on the training
+    thread, which reports it in one line (see TensorboardWriter). Leave that echo out."""
+    import threading
+
+    from tensorboard.summary.writer import event_file_writer
+
+    previous = threading.excepthook
+    if getattr(previous, "_ssl_engine", False):
+        return
+
+    def hook(args: Any) -> None:
+        if isinstance(args.thread, event_file_writer._AsyncWriterThread) and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook._ssl_engine = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class TensorboardWriter(Writer):
@@ -58,13 +80,30 @@ class TensorboardWriter(Writer):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_event_writer_threads()
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self.flush_secs,
-                                         purge_step=self._purge_step)
+            with self._naming_the_folder():
+                self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self.flush_secs,
+                                             purge_step=self._purge_step)
             self._purge_step = None  # once: a later reopen (after close) appends
         return self._writer
 
+    @contextlib.contextmanager
+    def _naming_the_folder(self) -> Iterator[None]:
+        """An OSError of the SummaryWriter (its writer thread's, a full disk) names no file: with
+        the events folder, it is the run's one line of a file-system error, not a traceback."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename:
+                raise
+            raise OSError(e.errno, e.strerror, str(self.log_dir)) from None
+
     def write(self, stats: Dict[str, Any]) -> None:
+        with self._naming_the_folder():
+            self._write(stats)
+
+    def _write(self, stats: Dict[str, Any]) -> None:
         group = "Training" if stats.get("phase_type", "train") == "train" else "Testing"
         step = int(stats["iteration"])
         w = self.summary_writer
@@ -73,6 +112,10 @@ class TensorboardWriter(Writer):
                 w.add_scalar(f"{group}/{key}", float(stats[key]), global_step=step)
 
     def write_phase(self, record: Dict[str, Any]) -> None:
+        with self._naming_the_folder():
+            self._write_phase(record)
+
+    def _write_phase(self, record: Dict[str, Any]) -> None:
         step = int(record.get("iteration", 0))
         w = self.summary_writer
         values = {k: v for k, v in record.items() if k not in _RECORD_COUNTERS}
@@ -82,8 +125,9 @@ class TensorboardWriter(Writer):
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            with self._naming_the_folder():
+                writer.close()
 
 
 @HOOKS.register("TensorboardParamsHook")
@@ -108,17 +152,19 @@ class TensorboardParamsHook(SSLHook):
         # gradients exist only between backward and the optimizer's zero_grad
         if self.gradients and self._due(task):
             w = self.writer.summary_writer
-            for name, p in task.base_model.named_parameters():
-                if p.grad is not None:
-                    w.add_histogram(f"Gradients/{name}", p.grad.detach().float().cpu(), global_step=task.iteration)
+            with self.writer._naming_the_folder():
+                for name, p in task.base_model.named_parameters():
+                    if p.grad is not None:
+                        w.add_histogram(f"Gradients/{name}", p.grad.detach().float().cpu(), global_step=task.iteration)
 
     def on_step(self, task: Any) -> None:
         # task.iteration already counts this step: step s = iteration - 1, the weights after its update
         step = task.iteration - 1
         if self.params and task.train and du.is_primary() and step % self.every_n_iters == 0:
             w = self.writer.summary_writer
-            for name, p in task.base_model.named_parameters():
-                w.add_histogram(f"Parameters/{name}", p.detach().float().cpu(), global_step=step)
+            with self.writer._naming_the_folder():
+                for name, p in task.base_model.named_parameters():
+                    w.add_histogram(f"Parameters/{name}", p.detach().float().cpu(), global_step=step)
 
 
 def read_scalars(log_dir: Path) -> Dict[str, list]:

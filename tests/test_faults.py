@@ -214,7 +214,7 @@ JSON_DISK_FULL = '''\
     import errno
     import os
 
-    from ssl_engine.hooks import metrics_hook, periodic_writer
+    from ssl_engine.hooks import metrics_hook, param_groups, periodic_writer
 
     _real_write = os.write
     _writes = []
@@ -236,12 +236,13 @@ JSON_DISK_FULL = '''\
             return _real_write(fd, data)
 
 
-    metrics_hook.os = periodic_writer.os = _Os()  # only these hooks' writes
+    metrics_hook.os = periodic_writer.os = param_groups.os = _Os()  # only these hooks' writes
 '''
 
 
 @pytest.mark.parametrize("target,after,short", [("stdout.json", 0, True), ("stdout.json", 1, True),
-                                               ("stdout.json", 1, False), ("metrics.json", 0, False)])
+                                               ("stdout.json", 1, False), ("metrics.json", 0, False),
+                                               ("param_groups.json", 0, True), ("param_groups.json", 0, False)])
 def test_a_full_disk_while_a_json_line_is_appended_is_one_line_and_leaves_no_half_line(tmp_path, target, after, short):
     """stdout.json / metrics.json on a disk that fills up: the OSError of os.write names no file, so
     it was a traceback (exit 1) instead of the one line of a file-system error, and stdout.json kept
@@ -249,13 +250,13 @@ def test_a_full_disk_while_a_json_line_is_appended_is_one_line_and_leaves_no_hal
     module = write_module(tmp_path, "json_disk_full", JSON_DISK_FULL.format(target=target, after=after, short=short))
     run = tmp_path / "run"
     proc = run_tool(BASE + [f"config.CHECKPOINT.DIR={run}", f"config.USER_MODULES=[{module}]",
-                            "config.LOG_FREQUENCY=1"])
+                            "config.LOG_FREQUENCY=1", "config.HOOKS.LOG_PARAM_GROUPS=true"])
     assert proc.returncode == 2, proc.stderr[-4000:]
     line = one_error_line(proc)
     assert line.startswith(f"error: cannot use {run / target}: ") and line.endswith("; free some space"), line
     text = (run / target).read_text()
     assert text.count("\n") == after and text.endswith("\n" if after else ""), text
-    assert all(json.loads(ln)["phase_idx"] == 0 for ln in text.splitlines())
+    assert all(json.loads(ln)["train_phase_idx"] == 0 for ln in text.splitlines())
     assert temp_files(run) == [] and not (run / LOCK_NAME).exists()
 
 

@@ -10,13 +10,13 @@ run first drops the lines of iterations it will run again.
 """
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ssl_engine import distributed as du
 from ssl_engine.checkpoint import atomic_write_text
 from ssl_engine.hooks.base import Priority, SSLHook
+from ssl_engine.hooks.metrics_hook import append_line
 from ssl_engine.registry import HOOKS
 
 GROUP_KEYS = ("lr", "weight_decay", "momentum")
@@ -78,12 +78,8 @@ class ParamGroupsHook(SSLHook):
     def flush(self) -> None:
         if not self.rows:
             return
-        data = "".join(json.dumps(r) + "\n" for r in self.rows).encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        # one write, undone when cut short; its OSError names the file (a full disk: the run's one line)
+        append_line(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
         if self.tensorboard is not None:
             w = self.tensorboard.summary_writer
             for r in self.rows:

@@ -987,7 +987,7 @@ def test_sigint_is_ignored_after_the_atexit_functions_registered_while_the_comma
         def body(cfg, node_id):
             atexit.register(lambda: seen.update(during=callable(signal.getsignal(signal.SIGINT))))  # as torch's
             return 0
-        cli.prepare_config = lambda overrides, tool_process: None
+        cli.prepare_config = lambda overrides, **kwargs: None
         sys.exit(cli.run_command([], body, tool_process=True))
         """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

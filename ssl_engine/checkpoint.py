@@ -1251,12 +1251,13 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
     # an entry under a weight's name that is no tensor, or a tensor of values the weight cannot hold
     # (integers, booleans or complex numbers for a float weight), is a damaged or foreign file: it was
     # left out as a 'missing' weight at its random init, or copied with its values cut (0.7 -> 0)
-    wrong = [f"{name} holds a {kind}, not a tensor" for name, kind in ((rename(k), t) for k, t in others.items()
-                                                                      if isinstance(k, str))
-             if name in own and (heads_load or not name.startswith("heads.")) and not any(s in name for s in skip)]
+    def read(name: str) -> bool:  # a weight of the model that this file initialises
+        return name in own and (heads_load or not name.startswith("heads.")) and not any(s in name for s in skip)
+
+    wrong = [f"{name} holds a {kind}, not a tensor"
+             for name, kind in ((rename(k), t) for k, t in others.items() if isinstance(k, str)) if read(name)]
     wrong += [f"{k} holds {v.dtype} values, the model's weight is {own[k].dtype}" for k, v in renamed.items()
-              if k in own and own[k].is_floating_point() and not v.is_floating_point()
-              and (heads_load or not k.startswith("heads.")) and not any(s in k for s in skip)]
+              if read(k) and own[k].is_floating_point() and not v.is_floating_point()]
     if wrong:
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: {len(wrong)} of its entries named as the model's weights "

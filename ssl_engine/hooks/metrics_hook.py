@@ -55,19 +55,24 @@ def append_line(path: Path, line: str) -> None:
     not synced here: a kill leaves it in the page cache, and the next checkpoint (which is what
     a resumed run goes back to) makes it durable before itself (``synced_by_checkpoints``).
     """
-    data = line.encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        size = os.fstat(fd).st_size
-        try:
-            written = os.write(fd, data)
-        except OSError as e:  # os.write names no file: with the name, a full disk is the run's one line
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        if written != len(data):
-            os.ftruncate(fd, size)
-            raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a metrics line could be written", str(path))
+        write_whole(fd, line.encode(), path)
     finally:
         os.close(fd)
+
+
+def write_whole(fd: int, data: bytes, path: Any) -> None:
+    """``data`` appended to ``fd`` (opened with O_APPEND) with one write, or not at all: a write
+    cut short (a full disk) is cut off again. The OSError names ``path`` (os.write's names no
+    file), so a full disk is the run's one line of a file-system error."""
+    try:
+        written = os.write(fd, data)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    if written != len(data):
+        os.ftruncate(fd, os.fstat(fd).st_size - written)
+        raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a line could be written", str(path))
 
 
 def flatten_metrics(record: Dict[str, Any], sep: str = "/") -> Dict[str, float]:

@@ -6,7 +6,6 @@ the logged loss is averaged over ranks and the data time is the max over ranks.
 """
 
 import datetime
-import errno
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from ssl_engine import distributed as du
 from ssl_engine.checkpoint import atomic_write, free_name
 from ssl_engine.hooks.base import Priority, SSLHook
 from ssl_engine.hooks.deferred_sum import DeferredSum
+from ssl_engine.hooks.metrics_hook import write_whole
 from ssl_engine.hooks.resume_point import done_before_resume
 from ssl_engine.registry import HOOKS
 
@@ -192,15 +192,7 @@ class JsonLinesWriter(Writer):
         return self._fd
 
     def write(self, s: Dict[str, Any]) -> None:
-        data = (json.dumps(s) + "\n").encode()
-        fd = self._open()
-        try:
-            written = os.write(fd, data)
-        except OSError as e:  # os.write names no file: with the name, a full disk is the run's one line
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
-        if written != len(data):  # a full disk took part of the line: cut it off again
-            os.ftruncate(fd, os.fstat(fd).st_size - written)
-            raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes of a line could be written", str(self.path))
+        write_whole(self._open(), (json.dumps(s) + "\n").encode(), self.path)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -123,10 +123,10 @@ class _Trainer(SelfSupervisionTrainer):
 
 
 @ENGINES.register("train")
-def train_engine(cfg: AttrDict, info: RankInfo) -> Any:
+def train_engine(cfg: AttrDict, info: RankInfo, hooks: Optional[List[Any]] = None) -> Any:
     folder = Path(cfg.CHECKPOINT.DIR)
     with held_by_rank0(folder) as held:
-        return _train(cfg, info, folder) if held else None
+        return _train(cfg, info, folder, hooks) if held else None
 
 
 def run_training(cfg: AttrDict, hooks: Optional[List[Any]] = None) -> Any:
@@ -141,9 +141,7 @@ def run_training(cfg: AttrDict, hooks: Optional[List[Any]] = None) -> Any:
     load_builtin_parts()
     import_user_modules(cfg.USER_MODULES)
     du.seed_everything(cfg.SEED_VALUE)
-    folder = Path(cfg.CHECKPOINT.DIR)
-    with held_by_rank0(folder) as held:
-        return _train(cfg, RankInfo(), folder, hooks) if held else None
+    return train_engine(cfg, RankInfo(), hooks)
 
 
 def _refuse_training_checkpoint_for_test_only(cfg: AttrDict, path: str, train_phase_idx: int) -> None:

@@ -402,8 +402,7 @@ def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = F
         first = next(iter(inner), "") if isinstance(inner, dict) else ""
         log.warning("config file %s: its 'hydra:' section is not acted on (the tool composes the config with hydra's "
                     "compose API, as VISSL's does, not @hydra.main: hydra's run dir, verbose, job logging and sweeps "
-                    "do not apply); %s", path,
-                    _HYDRA_SETTING_INSTEAD.get(first, "set the engine's options under config. (see defaults.yaml)"))
+                    "do not apply); %s", path, _hydra_setting_instead(first))
     if data.get("config") is not None and not isinstance(data["config"], dict):
         raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
     if isinstance(data.get("config"), dict):
@@ -770,6 +769,11 @@ _HYDRA_SETTING_INSTEAD = {
 }
 
 
+def _hydra_setting_instead(name: str) -> str:
+    """What to use instead of hydra's setting ``name`` (``run``, ``verbose``, ...)."""
+    return _HYDRA_SETTING_INSTEAD.get(name, "set the engine's options under config. (see defaults.yaml)")
+
+
 def _refuse_hydra_setting(item: str, key: str) -> None:
     """``hydra.verbose=true``, ``hydra.run.dir=/x``, ...: the tool composes with hydra's compose
     API, not ``@hydra.main``, so hydra's own settings (run dir, job logging, sweeps) never act;
@@ -777,8 +781,7 @@ def _refuse_hydra_setting(item: str, key: str) -> None:
     parts = key.lstrip("+~").split(".")
     if parts[0] != "hydra":
         return
-    instead = _HYDRA_SETTING_INSTEAD.get(parts[1] if len(parts) > 1 else "",
-                                         "set the engine's options under config. (see defaults.yaml)")
+    instead = _hydra_setting_instead(parts[1] if len(parts) > 1 else "")
     raise ConfigError(
         f"override {item!r} is not acted on: the tool composes the config with hydra's compose API, not "
         f"@hydra.main, so hydra's own settings (hydra.run.dir, hydra.verbose, job logging, sweeps) do not "

@@ -1609,9 +1609,11 @@ def test_a_section_header_with_nothing_under_it_in_a_yaml_file_still_takes_its_d
 @pytest.mark.parametrize("override, expected", [
     ("config.HOOKS.ITERATION_TIMER.WARMUP_ITERATIONS=-5", "expected an integer >= 0"),
     ("config.HOOKS.PERF_STATS.PERF_STAT_FREQUENCY=-7", "expected -1 or 0 (the breakdown at phase ends only"),
+    ("config.HOOKS.MEMORY_SUMMARY.LOG_EVERY_N_ITERS=-7", "expected -1 or 0 (no memory line) or N >= 1"),
+    ("config.HOOKS.MEMORY_SUMMARY.LOG_ITERATION_NUM=-3", "expected an integer >= 0 (the train iteration after which"),
 ])
-def test_timer_warmup_and_perf_stat_frequency_out_of_range(override, expected):
-    # a negative warm-up was read as 0, a frequency below -1 as -1, without a word
+def test_hook_warmups_and_periods_out_of_range(override, expected):
+    # a negative warm-up was read as 0, a frequency below -1 as -1, a memory period below -1 as never, without a word
     with pytest.raises(ConfigError, match=re.escape(f"{override} is out of range: {expected}")):
         compose([QUICK, override])
 

@@ -398,6 +398,11 @@ _RANGES = [
     # anything lower is a typo rather than a setting
     ("HOOKS.PERF_STATS.PERF_STAT_FREQUENCY", lambda v: v >= -1,
      "-1 or 0 (the breakdown at phase ends only, as in VISSL) or N >= 1 (also every N train iterations)"),
+    # the memory line's period: -7 read as 'never' without a word, as did 0
+    ("HOOKS.MEMORY_SUMMARY.LOG_EVERY_N_ITERS", lambda v: v >= -1,
+     "-1 or 0 (no memory line) or N >= 1 (a line every N train iterations)"),
+    ("HOOKS.MEMORY_SUMMARY.LOG_ITERATION_NUM", lambda v: v >= 0,
+     "an integer >= 0 (the train iteration after which the summary is printed; 0 = after the last phase only)"),
 ]
 
 

@@ -149,6 +149,9 @@ def knn_accuracy(
     if train_rows.shape[1] == 0:  # no value to compare: numpy's max of an empty row was a ValueError traceback
         raise UserError(f"kNN: the features have dim 0 (train shape {tuple(np.shape(train_features))}): no value to "
                         f"compare; extract a layer with values")
+    if l2_norm and train_rows.shape[1] == 1:
+        log.warning("kNN: the features have dim 1: L2-normalised, each is -1, 0 or +1, so only their sign is compared; "
+                    "set config.NEAREST_NEIGHBOR.L2_NORM_FEATS=false to compare their values")
     if int(ytrain.min()) < 0:
         raise UserError("kNN: the train features have no labels (negative targets); extract with LABEL_SOURCES set")
     _check_finite("train", train_rows, chunk_size)

@@ -3,6 +3,7 @@ weights from a checkpoint folder or MODEL.WEIGHTS_INIT, the kNN test, and linear
 
 import importlib.util
 import json
+import logging
 import re
 import subprocess
 import threading
@@ -1467,6 +1468,21 @@ def test_knn_tool_checks_the_extraction_before_launch_as_the_engine_tool_does(tm
     assert proc.stderr.strip().splitlines() == [
         f"error: config.EXTRACT_FEATURES.OUTPUT_DIR={afile} is a file, not a folder; name a folder for the run's files"]
     assert not run.exists() and afile.read_text() == "not a folder\n"
+
+
+def test_knn_of_features_of_dim_1_warns_that_the_cosine_keeps_only_their_sign(caplog) -> None:
+    """A dim-1 layer L2-normalised is -1, 0 or +1: the accuracy compares signs only, which the
+    user learns from a warning; raw values (L2_NORM_FEATS=false) compare as they are."""
+    train, labels = np.array([[0.1], [0.2], [5.0], [6.0]]), np.array([0, 0, 1, 1])
+    query = np.array([[5.5]])
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.knn"):
+        knn_accuracy(train, labels, query, np.array([1]), topk=2, sigma=0.1, topk_list=[1])  # all four tie at +1
+    assert any("the features have dim 1" in r.getMessage() and "L2_NORM_FEATS=false" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.knn"):
+        assert knn_accuracy(train, labels, query, np.array([1]), topk=2, sigma=0.1, topk_list=[1], l2_norm=False) == {1: 100.0}
+    assert not caplog.records
 
 
 def test_knn_of_features_of_dim_0_is_one_line(tmp_path: Path) -> None:

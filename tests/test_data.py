@@ -269,6 +269,36 @@ def test_sixteen_bit_grayscale_images_keep_their_high_byte(tmp_path: Any, name: 
         np.testing.assert_array_equal(got[:, :, channel], expected)
 
 
+def test_thirty_two_bit_images_whose_values_are_clipped_are_named_in_a_warning_once(tmp_path: Any, caplog: Any,
+                                                                                    monkeypatch: Any) -> None:
+    """32-bit TIFFs (Pillow modes I and F) convert to RGB by clipping to 0..255, as VISSL read
+    them: a float image in 0..1 came out black and integer data above 255 white, without a word.
+    The conversion is kept; the first such image of each mode is named with its value range. 8-bit
+    values held in a 32-bit image convert exactly and are not named."""
+    from ssl_engine.data import sources
+
+    monkeypatch.setattr(sources, "_WIDE_MODES_WARNED", set())
+    ramp = np.arange(16 * 16).reshape(16, 16)
+    for cls, name, values in (("a", "float01.tif", (ramp / 255.0).astype(np.float32)),
+                              ("a", "float01_again.tif", (ramp / 255.0).astype(np.float32)),
+                              ("b", "int_wide.tif", (ramp * 1000).astype(np.int32)),
+                              ("c", "int_8bit.tif", ramp.astype(np.int32) % 256)):
+        (tmp_path / cls).mkdir(exist_ok=True)
+        Image.fromarray(values).save(tmp_path / cls / name)
+    cfg = make_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(tmp_path)], LABEL_SOURCES=["disk_folder"], DATA_LIMIT=-1)
+    source = build_dataset(cfg, "TRAIN").sources[0]
+    with caplog.at_level(logging.WARNING, logger="ssl_engine.data.sources"):
+        images = [np.asarray(source.get(i)) for i in range(len(source))]
+    assert images[0].max() <= 1 and images[2].min() == 0 and images[2][-1, -1, 0] == 255  # Pillow's clipping, kept
+    np.testing.assert_array_equal(images[3][:, :, 0], ramp % 256)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"{tmp_path / 'a' / 'float01.tif'} is a 32-bit float image (Pillow mode F) with "
+                                  f"values 0..1; it is converted to 8-bit RGB by clipping to 0..255")
+    assert warnings[1].startswith(f"{tmp_path / 'b' / 'int_wide.tif'} is a 32-bit integer image (Pillow mode I) with "
+                                  f"values 0..255000")
+
+
 def test_disk_folder_class_links_that_loop_are_skipped_like_dangling_ones(tmp_path: Any, caplog: Any) -> None:
     """A link in the top folder that cannot be followed (``c -> c``, or ``d -> e -> d``: ELOOP) is
     no class, as a dangling link is none, and is named in the loop warning; os.scandir's is_dir

@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 from PIL import Image
@@ -73,12 +73,37 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+_WIDE_MODES_WARNED: Set[str] = set()  # the 32-bit modes (I, F) this process has warned of
+
+
+def _warn_of_clipped_values(img: Image.Image, path: str) -> None:
+    """A warning, once per process and mode, when a 32-bit image (Pillow mode ``I`` or ``F``: a
+    32-bit integer or float TIFF) holds values that the conversion to 8-bit RGB changes. Pillow
+    clips them to 0..255 (as VISSL's loader did, so the images stay as they were read there):
+    a float image scaled to 0..1 trains as black, integer data above 255 as white."""
+    if img.mode not in ("I", "F") or img.mode in _WIDE_MODES_WARNED:
+        return
+    values = np.asarray(img)
+    if values.size == 0:
+        return
+    low, high = float(values.min()), float(values.max())
+    if low >= 0 and high <= 255 and (img.mode == "I" or bool((values == np.round(values)).all())):
+        return  # 8-bit values held in a wider type: converted as they are
+    _WIDE_MODES_WARNED.add(img.mode)
+    logger.warning(
+        "%s is a 32-bit %s image (Pillow mode %s) with values %.6g..%.6g; it is converted to 8-bit RGB by "
+        "clipping to 0..255 (the other images of this mode are not named again): save the images as 8-bit, "
+        "or read them with a data source of your own that scales them", path,
+        "float" if img.mode == "F" else "integer", img.mode, low, high)
+
+
 def open_rgb(path: str) -> Image.Image:
     """Open ``path`` with PIL, decode it fully and convert to RGB; ``UnreadableImageError`` if not."""
     try:
         with open(path, "rb") as f:
             img = Image.open(f)
             img.load()
+            _warn_of_clipped_values(img, path)
             return _to_rgb(img)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise UnreadableImageError(path, f"{type(exc).__name__}: {exc}") from exc

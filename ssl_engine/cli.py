@@ -41,12 +41,39 @@ log = logging.getLogger("ssl_engine")
 
 RUN_FAILED_EXIT_CODE = 1
 
-_HELP = """usage: run_distributed_engines.py config=<name or file.yaml> [config.KEY=value ...] [+config.NEW=value ...]
-                                 [node_id=K] [--engine=train|extract_features] [--debug]"""
+_OVERRIDES_HELP = """  config=NAME           NAME.yaml under $SSL_ENGINE_CONFIG_DIR/config, ./configs/config or the package's
+                        configs/config; or config=/path/to/file.yaml
+  config.A.B=value      set a key of ssl_engine/config/defaults.yaml
+  +config.A.NEW=value   add a key the defaults lack (options of your own parts)
+  ~config.A.B           drop a key from the composed config (it takes its default)
+  +config/GROUP=NAME    merge GROUP/NAME.yaml of a config folder over the experiment
+  node_id=K             this machine's index in a multi-node job (default 0)"""
+
+RUN_USAGE = f"""usage: run_distributed_engines.py config=<name or file.yaml> [override ...] [node_id=K]
+                                 [--engine=train|extract_features] [--debug]
+
+Compose the config, check it, and run its engine (engine_name: train or extract_features).
+
+{_OVERRIDES_HELP}
+  --engine=NAME         the engine to run, as engine_name=NAME
+  --debug               show the traceback of a user error (or set SSL_ENGINE_DEBUG=1)"""
+
+KNN_USAGE = f"""usage: nearest_neighbor_test.py config=<name or file.yaml> [override ...] [node_id=K] [--debug]
+
+kNN top-1 / top-5 of extracted features. With config.NEAREST_NEIGHBOR.FEATURES.PATH empty it first
+extracts the TRAIN and TEST features of the config's model (the extract_features engine), then
+reads them from config.EXTRACT_FEATURES.OUTPUT_DIR (default config.CHECKPOINT.DIR); with a PATH it
+only reads that folder. Options: config.NEAREST_NEIGHBOR.{{TOPK, SIGMA, TOPK_LIST, L2_NORM_FEATS,
+TEST_CHUNK_SIZE}}.
+
+{_OVERRIDES_HELP}
+  --debug               show the traceback of a user error (or set SSL_ENGINE_DEBUG=1)"""
 
 
-def _split_args(argv: List[str]) -> Tuple[List[str], int, bool]:
-    """(hydra overrides, node_id, debug) from the command line."""
+def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = True) -> Tuple[List[str], int, bool]:
+    """(hydra overrides, node_id, debug) from the command line; ``--help`` prints ``usage`` and
+    exits; ``--engine=NAME`` is an option only where ``engine_option`` (a tool that runs one
+    engine itself, as the kNN test, refuses it)."""
     overrides, node_id, debug, engine = [], 0, False, None
     for a in argv:
         if a in ("--debug", "-d"):
@@ -56,13 +83,14 @@ def _split_args(argv: List[str]) -> Tuple[List[str], int, bool]:
                 node_id = int(a.split("=", 1)[1])
             except ValueError:
                 raise UserError(f"node_id={a.split('=', 1)[1]!r} is not an integer") from None
-        elif a.startswith("--engine="):
+        elif a.startswith("--engine=") and engine_option:
             engine = a.split("=", 1)[1]
         elif a in ("-h", "--help"):
-            print(_HELP)
+            print(usage)
             sys.exit(0)
         elif a.startswith("-"):
-            raise UserError(f"unknown option {a!r}; options are --engine=NAME, --debug, --help (see --help)")
+            options = "--engine=NAME, --debug, --help" if engine_option else "--debug, --help"
+            raise UserError(f"unknown option {a!r}; options are {options} (see --help)")
         else:
             overrides.append(a)
     if engine:
@@ -227,7 +255,8 @@ def one_thread_in_this_process() -> Iterator[None]:
 
 
 def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool = False,
-                checked: Optional[Callable[[Any], Any]] = None) -> int:
+                checked: Optional[Callable[[Any], Any]] = None, usage: str = RUN_USAGE,
+                engine_option: bool = True) -> int:
     """A command line tool's frame: parse ``config=... key=value`` arguments, compose and check
     the config, run ``body(cfg, node_id)``, and turn user errors into one line and exit code 2
     (a non-finite loss: exit 1; Ctrl-C: 130). ``--debug`` or SSL_ENGINE_DEBUG=1 keeps tracebacks.
@@ -235,7 +264,8 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
     ``tool_process``: this process is the command's own, started to run it and end (the tools'
     ``__main__``), not a caller that goes on afterwards: composing may then overlap importing
     torch, and a config mistake may end the process directly (see prepare_config). ``checked``:
-    the part of the config whose names and paths are checked (see prepare_config)."""
+    the part of the config whose names and paths are checked (see prepare_config). ``usage``: the
+    tool's ``--help`` text; ``engine_option``: whether the tool takes ``--engine=NAME``."""
     code = RUN_FAILED_EXIT_CODE  # an exception out of the command (a bug) ends the process with 1
     if tool_process:
         import atexit
@@ -244,7 +274,7 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
         # runs the last registered first): the last Python code of the process
         atexit.register(_ignore_ctrl_c_from_now)
     try:
-        code = _run_command(argv, body, tool_process, checked)
+        code = _run_command(argv, body, tool_process, checked, usage, engine_option)
         return code
     finally:
         if tool_process:  # the command has ended: its exit code must survive the process's shutdown
@@ -255,7 +285,8 @@ def run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool
 
 
 def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], tool_process: bool,
-                 checked: Optional[Callable[[Any], Any]] = None) -> int:
+                 checked: Optional[Callable[[Any], Any]] = None, usage: str = RUN_USAGE,
+                 engine_option: bool = True) -> int:
     from ssl_engine import startup_gc
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -267,7 +298,7 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
             preemption.install()  # a preemption signal during startup is kept for the first step, not fatal
             quiet_killed_worker_echoes()
             quiet_dependency_warnings()
-            overrides, node_id, flag = _split_args(argv)
+            overrides, node_id, flag = _split_args(argv, usage, engine_option)
             debug = debug or flag
             cfg = prepare_config(overrides, tool_process=tool_process and not debug, checked=checked)
         return body(cfg, node_id)

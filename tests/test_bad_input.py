@@ -995,3 +995,22 @@ def test_a_folder_in_place_of_a_checkpoint_is_refused_before_launch(tmp_path, ca
     assert err == (f"error: config.CHECKPOINT.DIR {tmp_path / 'run'}: {tmp_path / 'run' / name} is a folder, not a "
                    f"checkpoint (a file the run writes at a checkpoint of that name); move or remove it"), err
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]
+
+
+@pytest.mark.parametrize("script, name, engine_option", [
+    ("run_distributed_engines.py", "run_distributed_engines.py", True),
+    ("nearest_neighbor_test.py", "nearest_neighbor_test.py", False),
+])
+def test_each_tool_prints_its_own_usage_and_options(script, name, engine_option):
+    """--help names the tool that runs and the forms of override it takes; the kNN test, which runs
+    the extract_features engine itself, does not offer --engine and refuses it."""
+    path = str(Path(TOOL).parent / script)
+    out = run_tool(["--help"], script=path, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: {name} config="), out.stdout
+    for form in ("config.A.B=value", "+config.A.NEW=value", "~config.A.B", "+config/GROUP=NAME", "node_id=K", "--debug"):
+        assert form in out.stdout, (form, out.stdout)
+    assert ("--engine=" in out.stdout) == engine_option
+    if not engine_option:
+        refused = run_tool(["--engine=train", "config=extract/simclr_digits_trunk"], script=path, timeout=60)
+        assert refused.returncode == 2 and refused.stderr.strip() == (
+            "error: unknown option '--engine=train'; options are --debug, --help (see --help)"), refused.stderr

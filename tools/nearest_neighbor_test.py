@@ -113,9 +113,9 @@ def checked(cfg: Any) -> Any:
 
 
 def main(argv: Optional[List[str]] = None, tool_process: bool = False) -> int:
-    from ssl_engine.cli import run_command
+    from ssl_engine.cli import KNN_USAGE, run_command
 
-    return run_command(argv, run, tool_process=tool_process, checked=checked)
+    return run_command(argv, run, tool_process=tool_process, checked=checked, usage=KNN_USAGE, engine_option=False)
 
 
 if __name__ == "__main__":

@@ -202,10 +202,11 @@ def prepare_config(overrides: List[str], tool_process: bool = False,
 
 def world_size_of(cfg) -> int:
     """The number of ranks the run will have (torchrun's WORLD_SIZE wins when it is set)."""
+    from ssl_engine.distributed import env_rank_info
     from ssl_engine.launch import under_torchrun
 
     if under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
+        return env_rank_info().world_size  # checked: WORLD_SIZE=x is one line, not a ValueError
     return int(cfg.DISTRIBUTED.NUM_NODES) * int(cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
 
 
@@ -215,9 +216,10 @@ def check_before_launch(cfg, node_id: int = 0) -> None:
     from ssl_engine.config.validate import (
         check_output_folder, check_parts_build, check_pointer_is_not_a_folder, check_resume_file,
     )
-    from ssl_engine.launch import under_torchrun
+    from ssl_engine.launch import check_torchrun_env, under_torchrun
     from ssl_engine.lock import EXTRACT_LOCK_NAME, check_folder_free
 
+    check_torchrun_env()
     check_output_folder(cfg.CHECKPOINT.DIR, "config.CHECKPOINT.DIR")
     if cfg.SLURM.USE_SLURM:
         from ssl_engine.slurm import log_folder

@@ -59,9 +59,34 @@ def backend_for(cfg: AttrDict) -> str:
     return "nccl" if cfg.MACHINE.DEVICE == "gpu" else "gloo"
 
 
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def under_torchrun() -> bool:
     """True in a process that torchrun (or another env:// launcher) started."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and _SPAWNED_ENV not in os.environ
+    return all(k in os.environ for k in _TORCHRUN_ENV) and _SPAWNED_ENV not in os.environ
+
+
+def check_torchrun_env() -> None:
+    """Refuse torchrun's variables set by hand in a way no launch can use, before anything is
+    built: RANK or WORLD_SIZE without the other two (the tool would ignore them and start ranks
+    of its own, a second world beside the one they describe), or values that are not whole
+    numbers with RANK below WORLD_SIZE."""
+    if _SPAWNED_ENV in os.environ:
+        return
+    given = [k for k in _TORCHRUN_ENV if k in os.environ]
+    if not given:
+        return
+    if len(given) < len(_TORCHRUN_ENV):
+        if not {"RANK", "WORLD_SIZE"} & set(given):
+            return  # LOCAL_RANK alone (left by another tool) says nothing about a world
+        missing = [k for k in _TORCHRUN_ENV if k not in given]
+        raise UserError(
+            f"environment variable(s) {', '.join(f'{k}={os.environ[k]}' for k in given)} set without "
+            f"{' and '.join(missing)}: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE, and the tool joins "
+            "their world only when all three are set; set them all, or unset them to let the tool start its own ranks"
+        )
+    env_rank_info()  # whole numbers, RANK below WORLD_SIZE
 
 
 def check_devices(cfg: AttrDict) -> None:

@@ -228,11 +228,18 @@ def test_a_rendezvous_port_in_use_is_one_line(tmp_path: Path) -> None:
     ({"RANK": "x", "WORLD_SIZE": "2"}, "environment variable RANK='x' is not a whole number >= 0"),
     ({"RANK": "1", "WORLD_SIZE": "1"}, "environment variable RANK=1 must be below WORLD_SIZE=1"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "environment variable LOCAL_RANK='-1' is not a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "x"}, "environment variable WORLD_SIZE='x' is not a whole number >= 0"),
+    ({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": None},
+     "environment variable(s) RANK=3, WORLD_SIZE=2 set without LOCAL_RANK: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE"),
+    ({"RANK": "1", "LOCAL_RANK": None}, "environment variable(s) RANK=1 set without WORLD_SIZE and LOCAL_RANK"),
 ])
 def test_torchrun_variables_set_by_hand_are_checked(tmp_path: Path, env: Dict[str, str], message: str) -> None:
-    """A RANK of 'x' was a ValueError traceback; RANK=1 of WORLD_SIZE=1 trained as rank 0."""
+    """A RANK of 'x' was a ValueError traceback; RANK=1 of WORLD_SIZE=1 trained as rank 0; a
+    WORLD_SIZE of 'x' was a ValueError traceback; RANK and WORLD_SIZE without LOCAL_RANK were
+    ignored, and the tool trained a world of its own (None: the variable is not set)."""
+    given = {"LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29599", **env}
     r = run_tool(SUPERVISED + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}"],
-                 env={"LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29599", **env})
+                 env={k: v for k, v in given.items() if v is not None})
     assert r.returncode == 2, r.stderr[-3000:]
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "checkpoint.torch").exists()

@@ -495,6 +495,25 @@ def test_simclr_two_ranks_see_every_negative(tmp_path: Path) -> None:
     assert runs[2][0]["train_loss"] > math.log(15) - 0.7
 
 
+@pytest.mark.parametrize("loss, collator", [("simclr", "simclr_collator"), ("moco", "moco_collator")])
+def test_contrastive_test_phase_over_an_uneven_split_gets_whole_batches(tmp_path: Path, loss: str, collator: str) -> None:
+    """7 test images over 2 ranks in batches of 4: rank 1's batch holds a padded repeat. A loss
+    that compares the rows of a step (SimCLR's negatives gathered from every rank) or holds state
+    of them (MoCo's keys) is given the whole batch. Was: it was given the 3 real rows, and the
+    gather of 4 rows from one rank and 3 from the other aborted the run (gloo: "Received data size
+    doesn't match expected size"); MoCo's 3 queries met 4 keys ("size of tensor a (3) must match")."""
+    test = (f"+config.DATA.TEST={{DATA_SOURCES:[synthetic],LABEL_TYPE:sample_index,DATA_LIMIT:7,BATCHSIZE_PER_REPLICA:4,"
+            f"COLLATE_FUNCTION:{collator},TRANSFORMS:[{{name:ImgReplicatePil,num_times:2}},{{name:ToTensor}}]}}")
+    args = [f"config=quick/{loss}_synthetic", "config.OPTIMIZER.num_epochs=1", "config.MODEL.TRUNK.NAME=mlp",
+            "config.MODEL.TRUNK.MLP.DIMS=[3072,32]", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[32,64]}]]",
+            "config.TEST_MODEL=true", test, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+            "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DISTRIBUTED.TIMEOUT_MINUTES=1",
+            f"config.CHECKPOINT.DIR={tmp_path / 'run'}"]
+    ok(run_tool(args))
+    records = read_metrics(tmp_path / "run")
+    assert [r["phase_idx"] for r in records] == [0, 1] and math.isfinite(records[1]["test_loss"])
+
+
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_broadcast_buffers(tmp_path: Path, broadcast: bool) -> None:
     """With BatchNorm, BROADCAST_BUFFERS keeps rank 0's running stats on every rank; without it

@@ -80,6 +80,7 @@ class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
     CONFIG_KEY = "config.LOSS.cross_entropy_multiple_output_single_target"
     needs_labels = True  # scores class labels: the data must give them (checked before launch)
     class_index_targets = True  # a label indexes each head output's classes (models/label_range.py)
+    per_row_loss = True  # each row's loss is its own: padded rows can be left out (standard_train_step)
 
     def __init__(
         self,
@@ -155,6 +156,7 @@ class CrossEntropyLoss(ClassyLoss):
     CONFIG_KEY = "config.LOSS.CrossEntropyLoss"
     needs_labels = True
     class_index_targets = True
+    per_row_loss = True
 
     def __init__(self, ignore_index: int = -1) -> None:
         super().__init__()

@@ -251,11 +251,25 @@ def _forward_backward(
     return output
 
 
+def restricts_to_real_rows(loss: Any) -> bool:
+    """Whether ``loss`` may be given only the real rows of a batch: true for a loss that sets the
+    class attribute ``per_row_loss = True`` (each row's loss depends on that row's output and
+    target alone, and the batch's loss is their mean or sum, as cross entropy's).
+
+    Other losses compare the rows of a step with each other, often across ranks (SimCLR's
+    negatives, Barlow Twins' and SwAV's batch statistics), or hold state of the batch's rows
+    (MoCo's keys): on rows cut out of the batch they would compute something else, and a
+    cross-rank gather of batches cut to different sizes fails. They always get the whole batch.
+    """
+    return bool(getattr(loss, "per_row_loss", False))
+
+
 def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Tensor]) -> Tuple[Any, torch.Tensor, bool]:
     """(model output, loss, whether the padded rows are left out per row).
 
-    Padded rows (see real_rows) are left out of meters, and out of the loss of test phases,
-    when the outputs and target have one row per sample; train phases still train on them.
+    Padded rows (see real_rows) are left out of meters when the outputs and target have one row
+    per sample, and, for a loss that allows it (:func:`restricts_to_real_rows`), out of the loss
+    of test phases; train phases still train on them.
     """
     try:
         output = task.model(inputs)
@@ -266,7 +280,7 @@ def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Ten
     task.run_hooks("on_forward")
     per_row = valid is not None and _rows_match(output, valid.numel()) and _rows_match(target, valid.numel())
     try:
-        if per_row and not task.train and bool(valid.any()):
+        if per_row and not task.train and bool(valid.any()) and restricts_to_real_rows(task.loss):
             loss = task.loss(_rows(output, valid), _rows(target, valid))
         else:
             loss = task.loss(output, target)

@@ -495,6 +495,22 @@ def test_simclr_two_ranks_see_every_negative(tmp_path: Path) -> None:
     assert runs[2][0]["train_loss"] > math.log(15) - 0.7
 
 
+def test_logged_train_loss_leaves_out_the_padding_of_an_uneven_split(tmp_path: Path) -> None:
+    """37 train images over 2 ranks: rank 1's last batch holds a padded repeat. The step trains on
+    it, but the logged train loss is the mean over the 37 real images, as one process logs it
+    (lr 0: the same weights at every step). Was: the repeat's loss was inside rank 1's batch mean,
+    2.29231 against 2.29103."""
+    args = SUPERVISED + ["config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.DATA_LIMIT=37",
+                         "config.DATA.TEST.DATA_LIMIT=37", "config.OPTIMIZER.param_schedulers.lr.start_value=0",
+                         "config.OPTIMIZER.param_schedulers.lr.end_value=0", "config.OPTIMIZER.weight_decay=0"]
+    runs = {}
+    for world in (1, 2):
+        folder = tmp_path / f"w{world}"
+        ok(run_tool(args + per_rank(world, train_batch=8, test_batch=8) + [f"config.CHECKPOINT.DIR={folder}"]))
+        runs[world] = read_metrics(folder)
+    assert_same_metrics(runs[2], runs[1])
+
+
 @pytest.mark.parametrize("loss, collator", [("simclr", "simclr_collator"), ("moco", "moco_collator")])
 def test_contrastive_test_phase_over_an_uneven_split_gets_whole_batches(tmp_path: Path, loss: str, collator: str) -> None:
     """7 test images over 2 ranks in batches of 4: rank 1's batch holds a padded repeat. A loss

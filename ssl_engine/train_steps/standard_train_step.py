@@ -221,13 +221,15 @@ def _forward_backward(
     """
     train = task.train
     if train and not settings.amp and torch.is_grad_enabled():
-        output, loss, per_row = _forward_loss(task, inputs, target, valid)
+        output, loss, per_row, logged = _forward_loss(task, inputs, target, valid)
     else:
         with torch.set_grad_enabled(train), task.autocast():
-            output, loss, per_row = _forward_loss(task, inputs, target, valid)
+            output, loss, per_row, logged = _forward_loss(task, inputs, target, valid)
     task.last_loss = loss.detach()
     if settings.check_nan:
-        check_finite_loss(task, task.last_loss)
+        check_finite_loss(task, task.last_loss)  # the loss the step trains on
+    if logged is not None:
+        task.last_loss = logged
     if task.meters and (not train or settings.training_meters):
         detached = [o.detach() for o in output] if isinstance(output, (list, tuple)) else output.detach()
         tgt = target
@@ -264,12 +266,16 @@ def restricts_to_real_rows(loss: Any) -> bool:
     return bool(getattr(loss, "per_row_loss", False))
 
 
-def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Tensor]) -> Tuple[Any, torch.Tensor, bool]:
-    """(model output, loss, whether the padded rows are left out per row).
+def _forward_loss(
+    task: Any, inputs: Any, target: Any, valid: Optional[torch.Tensor]
+) -> Tuple[Any, torch.Tensor, bool, Optional[torch.Tensor]]:
+    """(model output, loss, whether the padded rows are left out per row, the loss to log when it
+    is not ``loss``).
 
     Padded rows (see real_rows) are left out of meters when the outputs and target have one row
-    per sample, and, for a loss that allows it (:func:`restricts_to_real_rows`), out of the loss
-    of test phases; train phases still train on them.
+    per sample. For a loss that allows it (:func:`restricts_to_real_rows`) they are left out of
+    the loss of test phases too, and of the loss logged in train phases, which still train on
+    them (every rank's batch keeps its size).
     """
     try:
         output = task.model(inputs)
@@ -279,9 +285,16 @@ def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Ten
     task.last_model_output = output
     task.run_hooks("on_forward")
     per_row = valid is not None and _rows_match(output, valid.numel()) and _rows_match(target, valid.numel())
+    logged = None
     try:
-        if per_row and not task.train and bool(valid.any()) and restricts_to_real_rows(task.loss):
-            loss = task.loss(_rows(output, valid), _rows(target, valid))
+        if per_row and bool(valid.any()) and restricts_to_real_rows(task.loss):
+            if not task.train:
+                loss = task.loss(_rows(output, valid), _rows(target, valid))
+            else:  # trains on every row; the logged loss is that of the real rows
+                loss = task.loss(output, target)
+                with torch.no_grad():
+                    detached = [o.detach() for o in output] if isinstance(output, (list, tuple)) else output.detach()
+                    logged = task.loss(_rows(detached, valid), _rows(target, valid))
         else:
             loss = task.loss(output, target)
     except (IndexError, RuntimeError, AssertionError):  # no cost until raised (python >= 3.11)
@@ -290,7 +303,7 @@ def _forward_loss(task: Any, inputs: Any, target: Any, valid: Optional[torch.Ten
         # only the pre-launch check of the dataset's labels prevents (models/label_range.py)
         explain_label_error(task, output, target, task.loss)
         raise
-    return output, loss, per_row
+    return output, loss, per_row, logged
 
 
 def explain_one_sample_batch(task: Any, inputs: Any, error: ValueError) -> None:

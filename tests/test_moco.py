@@ -157,6 +157,27 @@ def test_two_ranks_share_one_queue_and_shuffle_the_key_batch(tmp_path):
     assert int(ck["loss"]["queue_ptr"]) == (4 * 4) % 12  # 4 steps of 4 gathered keys
 
 
+@pytest.mark.parametrize("extra, line", [
+    # 2 ranks, 19 images each after padding: batches of 4, 4, 4, 4 and a last one of 3 (6 keys)
+    (["config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.DATA.TRAIN.DATA_LIMIT=37", "config.DATA.TRAIN.DROP_LAST=false"],
+     "config.LOSS.moco_loss.queue_size=8 must be a multiple of the keys of every step, but the last step of each "
+     "epoch holds 6 (3 per rank x 2 ranks, what is left of the data after the full batches): set "
+     "config.DATA.TRAIN.DROP_LAST=true to leave it out"),
+    (["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=3"],
+     "config.LOSS.moco_loss.queue_size=8 must be a multiple of the global batch (3 keys per step: "
+     "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=3 x 1 rank), as in VISSL"),
+])
+def test_a_step_whose_keys_do_not_fit_the_queue_is_refused_before_launch(tmp_path, extra, line):
+    """Was: the short last batch of an epoch (DROP_LAST false) failed at the end of the first
+    epoch, after its training, blaming "BATCHSIZE_PER_REPLICA x ranks" (4 x 2 = 8 divides the
+    queue; the step had 6 keys); a global batch that does not divide failed at the first step."""
+    folder = tmp_path / "run"
+    r = run_tool([QUICK, f"config.CHECKPOINT.DIR={folder}", *SMALL, "config.OPTIMIZER.num_epochs=1", *extra])
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip().startswith(f"error: {line}"), r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and not folder.exists(), r.stderr[-2000:]
+
+
 def test_two_ranks_resume_exactly_while_the_initial_queue_is_still_in_use(tmp_path):
     """Resumed at step 3 of 4 (12 of the queue's 16 keys replaced): the same final state as the
     straight run (each rank drew its own initial queue; a checkpoint gives every rank rank 0's)."""

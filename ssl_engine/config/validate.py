@@ -1166,7 +1166,9 @@ def check_loss_batch(cfg: AttrDict, loss: Any, loader: Any, world_size: int) -> 
     """A loss that compares the images of a step with each other (``min_global_batch``: Barlow
     Twins standardises over them, SimCLR takes its negatives from them) gives no gradient to a
     step of one image: refuse a batch that small before launch; return the warning for a last
-    batch that small (logged once the checks are done: they run with logging silenced)."""
+    batch that small (logged once the checks are done: they run with logging silenced). A loss
+    with ``check_global_batches(batch, last, world_size)`` is given the global batch and the
+    short last one of an epoch (0 where there is none), and raises for a size it cannot take."""
     need = int(getattr(loss, "min_global_batch", 1))
     data = cfg.DATA.TRAIN
     batch = int(data.BATCHSIZE_PER_REPLICA)
@@ -1177,8 +1179,12 @@ def check_loss_batch(cfg: AttrDict, loss: Any, loader: Any, world_size: int) -> 
             f"per step; config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={batch} x {world_size} rank(s) gives "
             f"{batch * world_size}, whose loss has no gradient: raise BATCHSIZE_PER_REPLICA"
         )
-    last = (len(loader.sampler) % batch) * world_size if loader is not None else 0
-    if need > 1 and not data.DROP_LAST and 0 < last < need:
+    last = (len(loader.sampler) % batch) * world_size if loader is not None and not data.DROP_LAST else 0
+    check_batches = getattr(loss, "check_global_batches", None)
+    if callable(check_batches) and loader is not None:  # e.g. moco_loss: its queue takes whole steps of keys
+        full = batch * world_size if len(loader.sampler) >= batch else 0
+        check_batches(full, last, world_size)
+    if need > 1 and 0 < last < need:
         return (f"config.DATA.TRAIN: the last batch of each epoch holds {last} image(s), which {name} gives no "
                 f"gradient; config.DATA.TRAIN.DROP_LAST=true leaves it out")
     return None

@@ -108,6 +108,24 @@ class MoCoLoss(ClassyLoss):
                 f"{list(self.queue.shape)}; resume with the checkpoint's embedding_dim and queue_size"
             )
 
+    def check_global_batches(self, batch: int, last: int, world_size: int) -> None:
+        """Before launch: the keys of each training step (``batch`` over ``world_size`` ranks, and
+        ``last`` in the short last step of an epoch, 0 when there is none) fill the queue in
+        whole steps, as :meth:`_enqueue` needs. A UserError naming the keys to change."""
+        ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+        if batch and self.queue_size % batch:
+            raise UserError(
+                f"{KEY}.queue_size={self.queue_size} must be a multiple of the global batch ({batch} keys per step: "
+                f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={batch // world_size} x {ranks}), as in VISSL"
+            )
+        if last and self.queue_size % last:
+            raise UserError(
+                f"{KEY}.queue_size={self.queue_size} must be a multiple of the keys of every step, but the last step "
+                f"of each epoch holds {last} ({last // world_size} per rank x {ranks}, what is left of the data after "
+                f"the full batches): set config.DATA.TRAIN.DROP_LAST=true to leave it out, or change "
+                f"BATCHSIZE_PER_REPLICA or the number of samples"
+            )
+
     # ------------------------------------------------------------------ forward
     def forward(self, output: Union[torch.Tensor, Sequence[torch.Tensor]], target: Any = None) -> torch.Tensor:
         """The loss of this rank's queries; in training mode the keys then enter the queue."""

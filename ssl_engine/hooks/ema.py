@@ -129,6 +129,7 @@ class EMAModelHook(SSLHook):
 
     def on_phase_start(self, task: Any) -> None:
         if self.eval_test_phases and not task.train:
+            self._share_rank0_buffers(task)
             if not self.meters or len(self.meters) != len(task.meters):
                 self.meters = [copy.deepcopy(m) for m in task.meters]
             if task.phase_resumed and self._pending_meters:
@@ -138,6 +139,19 @@ class EMAModelHook(SSLHook):
                 for m in self.meters:
                     m.reset()
             self._pending_meters = None
+
+    @torch.no_grad()
+    def _share_rank0_buffers(self, task: Any) -> None:
+        """Give every rank rank 0's EMA buffers (BatchNorm statistics) before a test phase, when the
+        model's own are rank 0's at each forward (DISTRIBUTED.BROADCAST_BUFFERS). Each rank averages
+        its own model's buffers, which differ after every train forward (each updates them with its
+        own batch), so without this each rank would test the EMA model with other statistics than
+        the one a checkpoint holds (rank 0's), and a resumed run (every rank starts from rank 0's)
+        would test with other statistics than an uninterrupted one."""
+        if self.ema_model is None or du.get_world_size() == 1 or not getattr(task.model, "broadcast_buffers", False):
+            return
+        for buf in self.ema_model.buffers():
+            torch.distributed.broadcast(buf, src=0)
 
     @torch.no_grad()
     def on_loss_and_meter(self, task: Any) -> None:

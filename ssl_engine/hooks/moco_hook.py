@@ -9,6 +9,8 @@
   ``moco_collator``) into the normalised keys the loss uses. With several ranks and no
   SyncBatchNorm the key batch is shuffled across the ranks before the encoder and put back in
   order after it (MoCo's shuffled BN), so batch-norm statistics cannot pair a query with its key.
+- Before a test phase (the encoder in eval mode, on its running statistics): every rank takes
+  rank 0's encoder buffers, those a checkpoint holds.
 
 Unlike VISSL, the update runs at every training step of a resumed run too (VISSL builds the
 encoder at the first forward after a resume and skips that step's update), so a resumed run
@@ -51,6 +53,21 @@ class MoCoHook(SSLHook):
             # gives it to every rank, so every rank starts from rank 0's (a no-op on resume): the
             # run then computes the same whether or not it was resumed
             dist.broadcast(task.loss.queue, src=0)
+
+    @torch.no_grad()
+    def on_phase_start(self, task: Any) -> None:
+        """Before a test phase, every rank takes rank 0's encoder buffers (BatchNorm statistics).
+
+        In training the encoder normalises with batch statistics, and each rank's running ones
+        follow its own share of the keys; a test phase runs the encoder in eval mode, on the running
+        ones. Rank 0's are those a checkpoint holds, and those every rank of a resumed run starts
+        from: without this, each rank tested with its own, and a resumed run's test loss differed
+        from an uninterrupted one's."""
+        encoder = getattr(task.loss, "moco_encoder", None)
+        if task.train or encoder is None or not is_distributed():
+            return
+        for buf in encoder.buffers():
+            dist.broadcast(buf, src=0)
 
     @torch.no_grad()
     def _update_encoder(self, task: Any) -> None:

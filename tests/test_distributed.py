@@ -511,6 +511,22 @@ def test_logged_train_loss_leaves_out_the_padding_of_an_uneven_split(tmp_path: P
     assert_same_metrics(runs[2], runs[1])
 
 
+def test_test_only_ranks_test_rank_0s_model(tmp_path: Path) -> None:
+    """TEST_ONLY with no weights file: the random init of a 2-rank run is rank 0's on both ranks,
+    as DDP makes it for a training run, so the test numbers are those of one process. Was: each
+    rank tested its own init (seeded SEED_VALUE + rank): test loss 2.45136 over 2 ranks where one
+    process gives 2.43152 (heads scaled up so that random logits differ clearly)."""
+    args = SUPERVISED + ["config.TEST_ONLY=true", "config.DATA.TEST.DATA_LIMIT=37",
+                         "config.MODEL.HEAD.PARAMS_MULTIPLIER=20"]
+    runs = {}
+    for world in (1, 2):
+        folder = tmp_path / f"w{world}"
+        ok(run_tool(args + per_rank(world, test_batch=8) + [f"config.CHECKPOINT.DIR={folder}"]))
+        runs[world] = read_metrics(folder)
+    assert [r["phase_idx"] for r in runs[1]] == [0]
+    assert_same_metrics(runs[2], runs[1])
+
+
 @pytest.mark.parametrize("loss, collator", [("simclr", "simclr_collator"), ("moco", "moco_collator")])
 def test_contrastive_test_phase_over_an_uneven_split_gets_whole_batches(tmp_path: Path, loss: str, collator: str) -> None:
     """7 test images over 2 ranks in batches of 4: rank 1's batch holds a padded repeat. A loss

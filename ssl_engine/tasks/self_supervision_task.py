@@ -260,9 +260,19 @@ class SelfSupervisionTask(ClassyTask):
             log.warning("config.TEST_ONLY tests heads that config.MODEL.WEIGHTS_INIT.PARAMS_FILE did not set (random init)%s", why)
 
     def wrap_distributed(self) -> None:
-        """Wrap the model in DistributedDataParallel when several ranks train it."""
+        """Wrap the model in DistributedDataParallel when several ranks train it; when several
+        ranks only test it (TEST_ONLY, or nothing trainable), give every rank rank 0's weights
+        and buffers, as DistributedDataParallel does when it wraps a model. Each rank seeds
+        ``SEED_VALUE + rank``, so whatever no checkpoint or weights file set (a random init, heads
+        that PARAMS_FILE lacks) would otherwise differ between ranks, and each rank would test
+        another model."""
         trainable = any(p.requires_grad for p in self.base_model.parameters())
-        if self.world_size > 1 and trainable and any(p["train"] for p in self.phases):
+        if self.world_size > 1 and not (trainable and any(p["train"] for p in self.phases)):
+            with torch.no_grad():
+                for tensor in list(self.base_model.parameters()) + list(self.base_model.buffers()):
+                    torch.distributed.broadcast(tensor, src=0)
+            return
+        if self.world_size > 1:
             ddp = torch.nn.parallel.DistributedDataParallel
             # torch >= 2.14 names the forward-time buffer broadcast forward_sync_buffers
             sync_key = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else "broadcast_buffers"

@@ -167,6 +167,26 @@ def test_nccl_gather_with_grad_and_cpu_collectives_in_one_group(tmp_path: Path, 
         destroy_process_group()
 
 
+def test_accuracy_counts_are_all_reduced_on_the_cpu_whatever_rank_saw_samples(monkeypatch: Any) -> None:
+    """A rank that saw no test sample (a split smaller than the world) keeps its counts on the
+    CPU while the others' are on their GPU; on the engine's nccl + gloo group those would enter
+    different collectives and wait until the timeout. Every rank reduces on the CPU."""
+    from classy_vision.meters import accuracy_meter
+
+    from ssl_engine.meters.topk_list_meter import DeviceAccuracyMeter
+
+    devices: List[str] = []
+    monkeypatch.setattr(accuracy_meter, "all_reduce_sum", lambda t: devices.append(t.device.type) or t)
+    busy, idle = DeviceAccuracyMeter(topk=[1, 2]), DeviceAccuracyMeter(topk=[1, 2])
+    busy.update(torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.7, 0.1]], device="cuda"), torch.tensor([0, 2], device="cuda"))
+    for meter in (busy, idle):
+        meter.sync_state()
+    assert devices == ["cpu"] * 4, devices
+    assert busy.value == {"top_1": 0.5, "top_2": 0.5}
+    busy.update(torch.tensor([[0.1, 0.9, 0.0]], device="cuda"), torch.tensor([1], device="cuda"))  # back on the GPU
+    assert busy._curr_correct_predictions_k.is_cuda and busy.value["top_1"] == pytest.approx(2 / 3)
+
+
 def _join_alone(kwargs: Dict[str, Any]) -> None:
     """torch's init_process_group with the engine's arguments, but a group of this process alone."""
     from torch.distributed import distributed_c10d

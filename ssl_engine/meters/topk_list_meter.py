@@ -72,7 +72,13 @@ class DeviceAccuracyMeter(AccuracyMeter):
             self._uncounted = 0
 
     def sync_state(self) -> None:
+        """Fold the pending counts and all-reduce them on the CPU. A GPU rank's group sends CUDA
+        tensors over NCCL and CPU tensors over gloo, and a rank that saw no sample this phase
+        (a test split smaller than the world) still holds its counts on the CPU: on their own
+        devices the ranks would enter different collectives and wait for each other until the
+        timeout. The counts move back to the outputs' device at the next update."""
         self._count_samples()
+        self._to(torch.device("cpu"))
         super().sync_state()
 
     @property

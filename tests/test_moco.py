@@ -183,6 +183,12 @@ def test_two_ranks_test_with_the_encoder_statistics_a_checkpoint_holds(tmp_path)
      "config.LOSS.moco_loss.queue_size=8 must be a multiple of the keys of every step, but the last step of each "
      "epoch holds 6 (3 per rank x 2 ranks, what is left of the data after the full batches): set "
      "config.DATA.TRAIN.DROP_LAST=true to leave it out"),
+    # 18 images: batches of 4, 4, 4, 4 and a last one of 2, which divides the queue of 8 but leaves
+    # its pointer at 2: the next epoch's second step (keys 6..10) reached past its end
+    (["config.DATA.TRAIN.DATA_LIMIT=18", "config.DATA.TRAIN.DROP_LAST=false"],
+     "config.LOSS.moco_loss.queue_size=8 takes the keys of whole steps of 4 from the start of the queue, but the "
+     "last step of each epoch holds 2 (2 per rank x 1 rank, what is left of the data after the full batches): "
+     "after it the next epoch's steps would reach past the queue's end; set config.DATA.TRAIN.DROP_LAST=true"),
     (["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=3"],
      "config.LOSS.moco_loss.queue_size=8 must be a multiple of the global batch (3 keys per step: "
      "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=3 x 1 rank), as in VISSL"),

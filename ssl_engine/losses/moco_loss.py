@@ -111,7 +111,9 @@ class MoCoLoss(ClassyLoss):
     def check_global_batches(self, batch: int, last: int, world_size: int) -> None:
         """Before launch: the keys of each training step (``batch`` over ``world_size`` ranks, and
         ``last`` in the short last step of an epoch, 0 when there is none) fill the queue in
-        whole steps, as :meth:`_enqueue` needs. A UserError naming the keys to change."""
+        whole steps, as :meth:`_enqueue` needs: a short last step beside full ones is refused
+        even when it divides the queue, since it leaves the pointer between two full steps' places.
+        A UserError naming the keys to change."""
         ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
         if batch and self.queue_size % batch:
             raise UserError(
@@ -124,6 +126,16 @@ class MoCoLoss(ClassyLoss):
                 f"of each epoch holds {last} ({last // world_size} per rank x {ranks}, what is left of the data after "
                 f"the full batches): set config.DATA.TRAIN.DROP_LAST=true to leave it out, or change "
                 f"BATCHSIZE_PER_REPLICA or the number of samples"
+            )
+        if last and batch:
+            # steps of `batch` keys fill the queue from multiples of `batch`; after the short step
+            # the pointer is off them, and a later full step's keys would reach past the queue's end
+            raise UserError(
+                f"{KEY}.queue_size={self.queue_size} takes the keys of whole steps of {batch} from the start of the "
+                f"queue, but the last step of each epoch holds {last} ({last // world_size} per rank x {ranks}, what "
+                f"is left of the data after the full batches): after it the next epoch's steps would reach past "
+                f"the queue's end; set config.DATA.TRAIN.DROP_LAST=true to leave it out, or change "
+                f"BATCHSIZE_PER_REPLICA or the number of samples so that the batches divide them"
             )
 
     # ------------------------------------------------------------------ forward

@@ -299,6 +299,26 @@ def test_thirty_two_bit_images_whose_values_are_clipped_are_named_in_a_warning_o
                                   f"values 0..255000")
 
 
+def test_the_thirty_two_bit_image_warning_reaches_the_log_of_a_run(tmp_path: Any) -> None:
+    """The pre-launch checks read a batch with logging silenced; the warning they could not show is
+    shown by the run's own reads. Was: the checks marked the mode as warned of, and no run through
+    the tool ever logged it."""
+    from conftest import run_tool
+
+    for cls in ("a", "b"):
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(np.full((32, 32), 0.5, dtype=np.float32)).save(tmp_path / "data" / cls / f"{i}.tif")
+    data = [f"config.DATA.TRAIN.{key}" for key in ("DATA_SOURCES=[disk_folder]", "LABEL_SOURCES=[disk_folder]",
+                                                   f"DATA_PATHS=[{tmp_path / 'data'}]", "BATCHSIZE_PER_REPLICA=2")]
+    r = run_tool(["config=quick/supervised_digits", *data, "config.TEST_MODEL=false", "config.OPTIMIZER.num_epochs=1",
+                  "config.MODEL.TRUNK.NAME=mlp", "config.MODEL.TRUNK.MLP.DIMS=[3072,8]",
+                  "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[8,10]}]]", f"config.CHECKPOINT.DIR={tmp_path / 'run'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    log_text = (tmp_path / "run" / "log.txt").read_text()
+    assert log_text.count("is a 32-bit float image (Pillow mode F) with values 0.5..0.5") == 1, log_text[-3000:]
+
+
 def test_disk_folder_class_links_that_loop_are_skipped_like_dangling_ones(tmp_path: Any, caplog: Any) -> None:
     """A link in the top folder that cannot be followed (``c -> c``, or ``d -> e -> d``: ELOOP) is
     no class, as a dangling link is none, and is named in the loop warning; os.scandir's is_dir

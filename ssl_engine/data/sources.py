@@ -83,6 +83,8 @@ def _warn_of_clipped_values(img: Image.Image, path: str) -> None:
     a float image scaled to 0..1 trains as black, integer data above 255 as white."""
     if img.mode not in ("I", "F") or img.mode in _WIDE_MODES_WARNED:
         return
+    if not logger.isEnabledFor(logging.WARNING):
+        return  # silenced (the pre-launch checks read a batch so): the run's own reads name the image
     values = np.asarray(img)
     if values.size == 0:
         return

@@ -42,6 +42,20 @@ def test_loss_is_cross_entropy_of_the_key_against_the_queue_and_the_keys_enter_t
     assert loss.key is None  # used once
 
 
+def test_a_step_that_would_reach_past_the_queue_end_is_one_user_error():
+    """Keys of 4, then a short step of 2 (a last batch of an epoch; 8 % 2 == 0), then 4 again: the
+    queue position 6 leaves room for 2. Python API runs have no pre-launch check; was: a
+    RuntimeError traceback from the queue's slice ("expanded size of the tensor (2) must match")."""
+    loss = MoCoLoss(embedding_dim=2, queue_size=8)
+    for n in (4, 2):
+        loss.key = F.normalize(torch.randn(n, 2), dim=1)
+        loss(torch.randn(n, 2))
+    loss.key = F.normalize(torch.randn(4, 2), dim=1)
+    with pytest.raises(UserError, match=r"queue_size=8: this step's 4 keys, at queue position 6, reach past the "
+                                        r"queue's end: .* set config.DATA.TRAIN.DROP_LAST=true"):
+        loss(torch.randn(4, 2))
+
+
 def test_eval_mode_leaves_the_queue_alone_and_missing_keys_are_explained():
     loss = MoCoLoss(embedding_dim=4, queue_size=6).eval()
     before = loss.queue.clone()

@@ -174,6 +174,12 @@ class MoCoLoss(ClassyLoss):
                 f"BATCHSIZE_PER_REPLICA x ranks), as in VISSL"
             )
         ptr = int(self.queue_ptr)
+        if ptr + n > self.queue_size:  # a short step before left the pointer between two steps' places
+            raise UserError(
+                f"{KEY}.queue_size={self.queue_size}: this step's {n} keys, at queue position {ptr}, reach past the "
+                f"queue's end: a short step before (the last batch of an epoch) left the position off the multiples "
+                f"of the global batch; set config.DATA.TRAIN.DROP_LAST=true"
+            )
         self.queue[:, ptr:ptr + n] = keys.t().to(self.queue.dtype)
         self.queue_ptr[0] = (ptr + n) % self.queue_size
 

@@ -9,7 +9,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, Iterable, List
 
 import numpy as np
 import torch
@@ -111,6 +111,18 @@ def init_process_group(info: RankInfo, timeout_minutes: float) -> None:
                 "config.DISTRIBUTED.RUN_ID=auto on one node"
             ) from None
     log.debug("rank %d/%d joined %s (%s)", info.rank, info.world_size, info.init_method, info.backend)
+
+
+@torch.no_grad()
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor]) -> None:
+    """Overwrite ``tensors`` in place with rank 0's (every rank must call it with the same
+    tensors, in the same order); a no-op on one process. Gives every rank the state that rank 0
+    holds and a checkpoint keeps: weights of a model only tested, BatchNorm statistics of copies
+    of the model that each rank updated with its own batches."""
+    if get_world_size() == 1:
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0)
 
 
 def destroy_process_group() -> None:

@@ -150,8 +150,7 @@ class EMAModelHook(SSLHook):
         would test with other statistics than an uninterrupted one."""
         if self.ema_model is None or du.get_world_size() == 1 or not getattr(task.model, "broadcast_buffers", False):
             return
-        for buf in self.ema_model.buffers():
-            torch.distributed.broadcast(buf, src=0)
+        du.broadcast_from_rank0(self.ema_model.buffers())
 
     @torch.no_grad()
     def on_loss_and_meter(self, task: Any) -> None:

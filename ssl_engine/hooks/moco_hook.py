@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ssl_engine import distributed as du
 from ssl_engine.errors import UserError
 from ssl_engine.gather import is_distributed
 from ssl_engine.hooks.base import Priority, SSLHook
@@ -66,8 +67,7 @@ class MoCoHook(SSLHook):
         encoder = getattr(task.loss, "moco_encoder", None)
         if task.train or encoder is None or not is_distributed():
             return
-        for buf in encoder.buffers():
-            dist.broadcast(buf, src=0)
+        du.broadcast_from_rank0(encoder.buffers())
 
     @torch.no_grad()
     def _update_encoder(self, task: Any) -> None:

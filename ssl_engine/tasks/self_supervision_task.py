@@ -268,9 +268,7 @@ class SelfSupervisionTask(ClassyTask):
         another model."""
         trainable = any(p.requires_grad for p in self.base_model.parameters())
         if self.world_size > 1 and not (trainable and any(p["train"] for p in self.phases)):
-            with torch.no_grad():
-                for tensor in list(self.base_model.parameters()) + list(self.base_model.buffers()):
-                    torch.distributed.broadcast(tensor, src=0)
+            du.broadcast_from_rank0(list(self.base_model.parameters()) + list(self.base_model.buffers()))
             return
         if self.world_size > 1:
             ddp = torch.nn.parallel.DistributedDataParallel

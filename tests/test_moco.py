@@ -56,6 +56,34 @@ def test_a_step_that_would_reach_past_the_queue_end_is_one_user_error():
         loss(torch.randn(4, 2))
 
 
+def test_the_queue_position_follows_a_loaded_state_and_a_gpu_step_does_not_wait_to_read_it():
+    """The step keeps the queue position as a host int (reading the buffer on a GPU waited for
+    every kernel queued before it, at every step); a loaded state still sets where the keys go."""
+    loss = MoCoLoss(embedding_dim=2, queue_size=8)
+    for _ in range(3):
+        loss.key = F.normalize(torch.randn(2, 2), dim=1)
+        loss(torch.randn(2, 2))
+    assert int(loss.queue_ptr) == 6
+    state = copy.deepcopy(loss.state_dict())
+    state["queue_ptr"][0] = 2
+    loss.load_state_dict(state)
+    key = F.normalize(torch.randn(2, 2), dim=1)
+    loss.key = key
+    loss(torch.randn(2, 2))
+    assert torch.equal(loss.queue[:, 2:4], key.t()) and int(loss.queue_ptr) == 4
+    if torch.cuda.is_available():
+        gpu = MoCoLoss(embedding_dim=2, queue_size=8).cuda()
+        gpu.key = F.normalize(torch.randn(2, 2, device="cuda"), dim=1)
+        gpu(torch.randn(2, 2, device="cuda"))  # the first step reads the buffer once
+        gpu.key = F.normalize(torch.randn(2, 2, device="cuda"), dim=1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            gpu(torch.randn(2, 2, device="cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert int(gpu.queue_ptr) == 4
+
+
 def test_eval_mode_leaves_the_queue_alone_and_missing_keys_are_explained():
     loss = MoCoLoss(embedding_dim=4, queue_size=6).eval()
     before = loss.queue.clone()

@@ -65,6 +65,9 @@ class MoCoLoss(ClassyLoss):
         # random unit keys to start with, as in MoCo; replaced batch by batch
         self.register_buffer("queue", F.normalize(torch.randn(self.embedding_dim, self.queue_size), dim=0))
         self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+        # the pointer as a host int, so that a step on a GPU does not wait for the device to read it
+        # (read from the buffer at the first step and after any state is loaded; None until then)
+        self._ptr: Optional[int] = None
         self.moco_encoder: Optional[nn.Module] = None  # attached by MoCoHook (a submodule: checkpointed)
         self.key: Optional[torch.Tensor] = None  # the momentum encoder's keys of the current batch
         self._pending_state: Optional[Dict[str, Any]] = None
@@ -85,6 +88,7 @@ class MoCoLoss(ClassyLoss):
         self.moco_encoder = encoder
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
+            self._ptr = None
             try:
                 super().load_state_dict(state)
             except RuntimeError as e:
@@ -95,6 +99,7 @@ class MoCoLoss(ClassyLoss):
         """A checkpoint's state; its momentum encoder waits until the hook has attached one. The
         queue is checked at once: one of another size is a CheckpointError naming the keys."""
         self._check_queue(state_dict)
+        self._ptr = None
         if self.moco_encoder is None and any(k.startswith("moco_encoder.") for k in state_dict):
             self._pending_state = dict(state_dict)
             return None
@@ -173,7 +178,7 @@ class MoCoLoss(ClassyLoss):
                 f"{KEY}.queue_size={self.queue_size} must be a multiple of the global batch ({n} keys per step: "
                 f"BATCHSIZE_PER_REPLICA x ranks), as in VISSL"
             )
-        ptr = int(self.queue_ptr)
+        ptr = int(self.queue_ptr) if self._ptr is None else self._ptr
         if ptr + n > self.queue_size:  # a short step before left the pointer between two steps' places
             raise UserError(
                 f"{KEY}.queue_size={self.queue_size}: this step's {n} keys, at queue position {ptr}, reach past the "
@@ -181,7 +186,8 @@ class MoCoLoss(ClassyLoss):
                 f"of the global batch; set config.DATA.TRAIN.DROP_LAST=true"
             )
         self.queue[:, ptr:ptr + n] = keys.t().to(self.queue.dtype)
-        self.queue_ptr[0] = (ptr + n) % self.queue_size
+        self._ptr = (ptr + n) % self.queue_size
+        self.queue_ptr.fill_(self._ptr)  # the checkpointed copy: written, never read back per step
 
     def extra_repr(self) -> str:
         return (f"embedding_dim={self.embedding_dim}, queue_size={self.queue_size}, momentum={self.momentum}, "

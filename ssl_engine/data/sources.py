@@ -77,7 +77,7 @@ _WIDE_MODES_WARNED: Set[str] = set()  # the 32-bit modes (I, F) this process has
 
 
 def _warn_of_clipped_values(img: Image.Image, path: str) -> None:
-    """A warning, once per process and mode, when a 32-bit image (Pillow mode ``I`` or ``F``: a
+    """A warning, once per loading process (rank or loader worker) and mode, when a 32-bit image (Pillow mode ``I`` or ``F``: a
     32-bit integer or float TIFF) holds values that the conversion to 8-bit RGB changes. Pillow
     clips them to 0..255 (as VISSL's loader did, so the images stay as they were read there):
     a float image scaled to 0..1 trains as black, integer data above 255 as white."""
@@ -94,7 +94,7 @@ def _warn_of_clipped_values(img: Image.Image, path: str) -> None:
     _WIDE_MODES_WARNED.add(img.mode)
     logger.warning(
         "%s is a 32-bit %s image (Pillow mode %s) with values %.6g..%.6g; it is converted to 8-bit RGB by "
-        "clipping to 0..255 (the other images of this mode are not named again): save the images as 8-bit, "
+        "clipping to 0..255 (each loading process names the first image of this mode only): save the images as 8-bit, "
         "or read them with a data source of your own that scales them", path,
         "float" if img.mode == "F" else "integer", img.mode, low, high)
 

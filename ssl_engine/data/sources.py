@@ -77,8 +77,9 @@ _WIDE_MODES_WARNED: Set[str] = set()  # the 32-bit modes (I, F) this process has
 
 
 def _warn_of_clipped_values(img: Image.Image, path: str) -> None:
-    """A warning, once per loading process (rank or loader worker) and mode, when a 32-bit image (Pillow mode ``I`` or ``F``: a
-    32-bit integer or float TIFF) holds values that the conversion to 8-bit RGB changes. Pillow
+    """A warning, once per loading process (rank or loader worker) and mode, when a 32-bit image
+    (Pillow mode ``I`` or ``F``: a 32-bit integer or float TIFF) holds values that the conversion
+    to 8-bit RGB changes. Pillow
     clips them to 0..255 (as VISSL's loader did, so the images stay as they were read there):
     a float image scaled to 0..1 trains as black, integer data above 255 as white."""
     if img.mode not in ("I", "F") or img.mode in _WIDE_MODES_WARNED:

@@ -199,6 +199,16 @@ def test_two_ranks_share_one_queue_and_shuffle_the_key_batch(tmp_path):
     assert int(ck["loss"]["queue_ptr"]) == (4 * 4) % 12  # 4 steps of 4 gathered keys
 
 
+def _straight_and_resumed(tmp_path, args, checkpoint):
+    """(folder of a run of ``args``, folder of the same run resumed from its ``checkpoint``)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = run_tool([*args, f"config.CHECKPOINT.DIR={straight}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_tool([*args, f"config.CHECKPOINT.DIR={resumed}", f"config.CHECKPOINT.RESUME_FROM={straight / checkpoint}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return straight, resumed
+
+
 def test_two_ranks_test_with_the_encoder_statistics_a_checkpoint_holds(tmp_path):
     """A test phase runs the momentum encoder on its running BatchNorm statistics, which each
     rank's training moved with its own keys; every rank tests with rank 0's, those a checkpoint
@@ -208,12 +218,7 @@ def test_two_ranks_test_with_the_encoder_statistics_a_checkpoint_holds(tmp_path)
             "COLLATE_FUNCTION:moco_collator,TRANSFORMS:[{name:ImgReplicatePil,num_times:2},{name:ToTensor}]}")
     args = [QUICK, *SMALL, "config.MODEL.TRUNK.MLP.USE_BN=true", "config.TEST_MODEL=true", test,
             "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    r = run_tool([*args, f"config.CHECKPOINT.DIR={straight}"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_tool([*args, f"config.CHECKPOINT.DIR={resumed}",
-                  f"config.CHECKPOINT.RESUME_FROM={straight / 'model_phase0.torch'}"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    straight, resumed = _straight_and_resumed(tmp_path, args, "model_phase0.torch")
     tests = [[json.loads(x)["test_loss"] for x in (folder / "metrics.json").read_text().splitlines() if "test_loss" in x]
              for folder in (straight, resumed)]
     assert len(tests[0]) == 2 and tests[0] == tests[1]  # the checkpoint precedes the first test phase
@@ -251,10 +256,5 @@ def test_two_ranks_resume_exactly_while_the_initial_queue_is_still_in_use(tmp_pa
     straight run (each rank drew its own initial queue; a checkpoint gives every rank rank 0's)."""
     args = [QUICK, *SMALL, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2",
             "config.LOSS.moco_loss.queue_size=16"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    r = run_tool([*args, f"config.CHECKPOINT.DIR={straight}"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_tool([*args, f"config.CHECKPOINT.DIR={resumed}",
-                  f"config.CHECKPOINT.RESUME_FROM={straight / 'model_iteration3.torch'}"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    straight, resumed = _straight_and_resumed(tmp_path, args, "model_iteration3.torch")
     assert_bitwise_equal(_final(straight), _final(resumed))

@@ -418,6 +418,27 @@ def test_a_resumed_run_logs_each_iteration_once(setup, tmp_path):
     assert phases == list(range(2 * EPOCHS))  # a train and a test phase per epoch
 
 
+def test_param_groups_lines_of_the_iterations_a_checkpoint_covers_survive_a_kill(setup, tmp_path):
+    """HOOKS.LOG_PARAM_GROUPS keeps its rows in memory between flushes (every LOG_FREQUENCY
+    iterations): a kill after a checkpoint lost the rows of iterations that checkpoint covers, and
+    the resumed run does not run them again, so param_groups.json missed them for good. Each
+    checkpoint now writes them first."""
+    root, cfg = setup
+    folder = tmp_path / "run"
+    extra = ["config.HOOKS.LOG_PARAM_GROUPS=true", "config.LOG_FREQUENCY=10"]
+
+    def iterations():
+        return [json.loads(x)["iteration"] for x in (folder / "param_groups.json").read_text().splitlines()]
+
+    # iteration 4's checkpoint is on disk (written synchronously) when the run dies after it
+    r = run(cfg, folder, *extra, "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:4")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert iterations() == [0, 1, 2, 3]
+    r = run(cfg, folder, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert iterations() == list(range(ITERS_PER_EPOCH * EPOCHS))
+
+
 def test_truncated_newest_checkpoint_is_skipped(setup, reference):
     root, cfg = setup
     folder = root / "truncated"

@@ -5,8 +5,10 @@ Values are read from the optimizer after its step (python floats: no device sync
 memory and flushed every ``flush_every`` iterations and at phase ends to
 CHECKPOINT.DIR/param_groups.json (one json line per iteration:
 ``{"iteration": i, "train_phase_idx": p, "groups": [{"lr": ..., "weight_decay": ...}, ...]}``)
-and, when the run writes TensorBoard events, to scalars ``ParamGroups/{group}/{key}``. A resumed
-run first drops the lines of iterations it will run again.
+and, when the run writes TensorBoard events, to scalars ``ParamGroups/{group}/{key}``. Every
+checkpoint flushes them first (and syncs the file before itself), so the lines of the iterations
+a checkpoint covers survive a kill after it; a resumed run first drops the lines of iterations it
+will run again.
 """
 
 import json
@@ -100,7 +102,17 @@ class ParamGroupsHook(SSLHook):
         if du.is_primary():
             self.flush()
 
+    @property
+    def synced_by_checkpoints(self) -> List[Path]:
+        """param_groups.json: each checkpoint syncs it before itself (see get_classy_state)."""
+        return [self.path]
+
     def get_classy_state(self) -> Dict[str, Any]:
+        """No state; called while a checkpoint is built, it writes the rows kept in memory, which
+        belong to iterations that checkpoint covers: a run killed after it resumes there and does
+        not log those iterations again."""
+        if du.is_primary():
+            self.flush()
         return {}
 
     def set_classy_state(self, state: Dict[str, Any]) -> None:

@@ -439,6 +439,29 @@ def test_param_groups_lines_of_the_iterations_a_checkpoint_covers_survive_a_kill
     assert iterations() == list(range(ITERS_PER_EPOCH * EPOCHS))
 
 
+def test_precise_bn_after_a_resume_inside_the_phase_uses_the_whole_epoch(setup, tmp_path):
+    """HOOKS.PRECISE_BN counted the batches it may use on the train loader as the resume left
+    it, started at the checkpoint's batch: after a kill that followed an iteration checkpoint at
+    a train phase's last step, it recomputed the statistics over 0 batches (every BatchNorm got
+    zero mean and variance, the next test loss was in the hundreds), and near a phase's end over
+    fewer batches than the uninterrupted run."""
+    root, cfg = setup
+    extra = ["config.HOOKS.PRECISE_BN.USE_PRECISE_BN=true", "config.HOOKS.PRECISE_BN.NUM_ITERATIONS=4",
+             "config.CHECKPOINT.ASYNC_WRITE=false"]
+    ref = tmp_path / "ref"
+    r = run(cfg, ref, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    folder = tmp_path / "killed"
+    # iteration 12's checkpoint (the last step of train phase 1) is on disk when the run dies
+    r = run(cfg, folder, *extra, kill=f"step:{2 * ITERS_PER_EPOCH}")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    r = run(cfg, folder, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "over 0 batches" not in r.stdout
+    assert (folder / "metrics.json").read_text() == (ref / "metrics.json").read_text()
+    assert_bitwise_equal(tensors_of(ref / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+
 def test_truncated_newest_checkpoint_is_skipped(setup, reference):
     root, cfg = setup
     folder = root / "truncated"

@@ -81,10 +81,17 @@ class PreciseBNHook(SSLHook):
         if self._due(task):
             self.update(task)
 
-    def _batches(self, task: Any, n: int) -> Iterator[Any]:
+    @staticmethod
+    def _whole_epoch(task: Any) -> Any:
+        """The train loader set to the whole of this phase's epoch, from its first batch: a phase
+        resumed from a checkpoint taken inside it left the sampler at the checkpoint's batch."""
         loader = task.dataloaders["TRAIN"]
         loader.sampler.set_epoch(max(task.train_phase_idx, 0))
         loader.sampler.set_start_iter(0)
+        return loader
+
+    def _batches(self, task: Any, n: int) -> Iterator[Any]:
+        loader = self._whole_epoch(task)
         for i, batch in enumerate(loader):
             if i >= n:
                 break
@@ -100,7 +107,9 @@ class PreciseBNHook(SSLHook):
             bn_layers = get_bn_modules(model)
             if not bn_layers:
                 return
-            n = min(self.num_iters, len(task.dataloaders["TRAIN"]))
+            # the batches of the whole epoch, not those left after a resume's start (none at all
+            # for a checkpoint taken at the phase's last step, which left zero statistics)
+            n = min(self.num_iters, len(self._whole_epoch(task)))
             if n < self.num_iters and du.is_primary():
                 log.info("PreciseBN: the training data has %d batches per rank; using all of them", n)
             devices = [task.device] if task.device.type == "cuda" else []

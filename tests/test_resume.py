@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TOOL, assert_bitwise_equal, run_tool, tool_env
+from conftest import REPO, TOOL, assert_bitwise_equal, classy_state, run_tool, tool_env
 
 KILLER = '''
 """Test module: kill or signal this process at a chosen point (env SSL_TEST_KILL=event:number)."""
@@ -459,6 +459,29 @@ def test_precise_bn_after_a_resume_inside_the_phase_uses_the_whole_epoch(setup, 
     assert r.returncode == 0, r.stderr[-3000:]
     assert "over 0 batches" not in r.stdout
     assert (folder / "metrics.json").read_text() == (ref / "metrics.json").read_text()
+    assert_bitwise_equal(tensors_of(ref / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
+
+
+def test_an_ema_with_precise_bn_resumes_to_the_same_average(setup, tmp_path):
+    """fvcore's update_bn_stats puts new tensors in place of the BatchNorm buffers; the EMA kept
+    averaging the old ones, which the model no longer used, from the first precise BN on. A
+    resumed run took the model's buffers of the time, so its EMA (and its test_ema_ meters)
+    differed from the uninterrupted run's. The statistics now go into the model's own buffers."""
+    root, cfg = setup
+    extra = ["config.HOOKS.PRECISE_BN.USE_PRECISE_BN=true", "config.HOOKS.PRECISE_BN.NUM_ITERATIONS=2",
+             "config.HOOKS.EMA_MODEL.ENABLE_EMA_METERS=true", "config.HOOKS.EMA_MODEL.DECAY=0.9",
+             "config.CHECKPOINT.ASYNC_WRITE=false"]
+    ref = tmp_path / "ref"
+    r = run(cfg, ref, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    folder = tmp_path / "killed"
+    r = run(cfg, folder, *extra, kill=f"step:{ITERS_PER_EPOCH + 4}")  # after iteration 10's checkpoint
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    r = run(cfg, folder, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (folder / "metrics.json").read_text() == (ref / "metrics.json").read_text()
+    ema = lambda path: classy_state(path)["hooks"]["EMAModelHook"]["ema_model"]  # noqa: E731
+    assert_bitwise_equal(ema(ref / "checkpoint.torch"), ema(folder / "checkpoint.torch"))
     assert_bitwise_equal(tensors_of(ref / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
 
 

@@ -113,8 +113,15 @@ class PreciseBNHook(SSLHook):
             if n < self.num_iters and du.is_primary():
                 log.info("PreciseBN: the training data has %d batches per rank; using all of them", n)
             devices = [task.device] if task.device.type == "cuda" else []
+            buffers = [(bn, bn.running_mean, bn.running_var) for bn in bn_layers]
             with torch.random.fork_rng(devices=devices), task.autocast():
                 update_bn_stats(model, self._batches(task, n), num_iters=n)
+            # fvcore sets new tensors as the buffers: the statistics go into the model's own
+            # ones, which others hold on to (the EMA's average, DDP's buffer broadcast)
+            for bn, mean, var in buffers:
+                mean.copy_(bn.running_mean)
+                var.copy_(bn.running_var)
+                bn.running_mean, bn.running_var = mean, var
             pool_bn_stats(bn_layers)
             self.runs += 1
             if du.is_primary():

@@ -902,6 +902,26 @@ def test_a_url_as_an_output_folder_creates_nothing(tmp_path, capsys, monkeypatch
         assert list(tmp_path.iterdir()) == []
 
 
+def test_the_batch_of_one_line_counts_the_ranks_whole_share_in_a_resumed_phase():
+    """A phase resumed at batch 2 of 3: the rank's share is still 33 samples (the sampler's length
+    counts the 1 left, and the line said "1 samples per rank in batches of 16")."""
+    from types import SimpleNamespace
+
+    from ssl_engine.config import compose
+    from ssl_engine.data import StatefulDistributedSampler
+    from ssl_engine.train_steps.standard_train_step import explain_one_sample_batch
+
+    sampler = StatefulDistributedSampler(33, num_replicas=1, rank=0, batch_size=16)
+    sampler.set_start_iter(2)
+    assert len(sampler) == 1
+    task = SimpleNamespace(config=compose(BASE + ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16"], warn_unused=False),
+                           train=True, iteration=2, local_iteration_num=2,
+                           dataloaders={"TRAIN": SimpleNamespace(sampler=sampler)})
+    with pytest.raises(UserError, match=r"^config.DATA.TRAIN: 33 samples per rank in batches of 16 leave a last "
+                                        r"batch of 1, and a BatchNorm layer"):
+        explain_one_sample_batch(task, torch.zeros(1, 3), ValueError("Expected more than 1 value per channel"))
+
+
 def test_the_batch_of_one_check_leaves_syncbn_across_ranks_alone():
     """SyncBatchNorm over several ranks normalises their batches together: a last batch of one
     sample per rank trains there, so the check before launch must not refuse it."""

@@ -315,7 +315,9 @@ def explain_one_sample_batch(task: Any, inputs: Any, error: ValueError) -> None:
     split = "TRAIN" if task.train else "TEST"
     first = inputs if isinstance(inputs, torch.Tensor) else inputs[0]
     rows = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 1
-    per_rank = len(task.dataloaders[split].sampler) if split in getattr(task, "dataloaders", {}) else None
+    sampler = task.dataloaders[split].sampler if split in getattr(task, "dataloaders", {}) else None
+    # the rank's whole share (the length of a resumed phase's sampler counts the samples left)
+    per_rank = None if sampler is None else getattr(sampler, "num_samples", None) or len(sampler)
     raise one_sample_batch_error(
         task.config, split, per_rank, rows,
         f"a BatchNorm layer of the model cannot train on one value per channel (iteration "

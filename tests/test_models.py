@@ -368,12 +368,28 @@ def test_frozen_trunk_no_grad_and_bn_stats_fixed() -> None:
 
 def test_freeze_trunk_and_head() -> None:
     model = build(
-        model_config(18, heads=[["mlp", {"dims": [512, 16]}]], eval_settings={"FREEZE_TRUNK_AND_HEAD": True})
+        model_config(18, heads=[["mlp", {"dims": [512, 16]}]],
+                     eval_settings={"EVAL_MODE_ON": True, "FREEZE_TRUNK_AND_HEAD": True})
     )
     model.train()
     assert model.trunk_frozen and model.heads_frozen
     assert not any(p.requires_grad for p in model.parameters())
     assert not model.trunk.training and not model.heads.training
+
+
+@pytest.mark.parametrize("key", ["FREEZE_TRUNK_ONLY", "FREEZE_TRUNK_AND_HEAD"])
+def test_freeze_settings_without_eval_mode_freeze_nothing_as_in_vissl(key: str, caplog) -> None:
+    """VISSL freezes only when EVAL_MODE_ON is true: without it its full fine-tuning trains the
+    whole model, BatchNorm statistics included (was: the trunk frozen and in eval mode)."""
+    with caplog.at_level("WARNING", logger="ssl_engine.models.model"):
+        model = build(model_config(18, heads=[["mlp", {"dims": [512, 16]}]], eval_settings={key: True}))
+    model.train()
+    assert not model.trunk_frozen and not model.heads_frozen
+    assert all(p.requires_grad for p in model.parameters())
+    assert model.trunk.training and model.heads.training
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"config.MODEL.FEATURE_EVAL_SETTINGS.{key}=true freezes nothing without" in m and "EVAL_MODE_ON=true"
+               in m for m in said), said
 
 
 def test_extract_features_modes(resnet18: SSLModel) -> None:

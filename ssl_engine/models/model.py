@@ -107,6 +107,20 @@ def build_heads(model_config: AttrDict) -> Tuple[List[str], List[nn.Module]]:
     return names, heads
 
 
+def _warn_freeze_without_eval_mode(settings: Dict[str, Any]) -> None:
+    """FREEZE_TRUNK_ONLY / FREEZE_TRUNK_AND_HEAD without EVAL_MODE_ON freeze nothing, as in VISSL,
+    whose full fine-tuning trains the whole model whatever they say; the log names the keys, since
+    a user who set them most likely meant the frozen trunk."""
+    if settings["EVAL_MODE_ON"]:
+        return
+    fes = "config.MODEL.FEATURE_EVAL_SETTINGS"
+    for key in ("FREEZE_TRUNK_ONLY", "FREEZE_TRUNK_AND_HEAD"):
+        if settings[key]:
+            logger.warning(
+                "%s.%s=true freezes nothing without %s.EVAL_MODE_ON=true (as in VISSL): the trunk and heads train "
+                "and the trunk's BatchNorm statistics move; set EVAL_MODE_ON=true to freeze them", fes, key, fes)
+
+
 def _first_module(head: nn.Module) -> nn.Module:
     return head[0] if isinstance(head, nn.Sequential) and len(head) > 0 else head
 
@@ -127,9 +141,12 @@ class SSLModel(nn.Module):
         # plain attributes, not properties: the forward of every step reads them.
         # trunk_frozen: the trunk's params are frozen and it stays in eval mode (FREEZE_TRUNK_ONLY / _AND_HEAD);
         # heads_frozen: the heads too (FREEZE_TRUNK_AND_HEAD); trunk_features_only: EVAL_MODE_ON with
-        # EXTRACT_TRUNK_FEATURES_ONLY, forward returns trunk features and no heads run
-        self.trunk_frozen: bool = bool(settings["FREEZE_TRUNK_ONLY"] or settings["FREEZE_TRUNK_AND_HEAD"])
-        self.heads_frozen: bool = bool(settings["FREEZE_TRUNK_AND_HEAD"])
+        # EXTRACT_TRUNK_FEATURES_ONLY, forward returns trunk features and no heads run.
+        # As in VISSL, the FREEZE_* settings act only with EVAL_MODE_ON (see _warn_freeze_without_eval_mode)
+        eval_on = settings["EVAL_MODE_ON"]
+        self.trunk_frozen: bool = eval_on and bool(settings["FREEZE_TRUNK_ONLY"] or settings["FREEZE_TRUNK_AND_HEAD"])
+        self.heads_frozen: bool = eval_on and bool(settings["FREEZE_TRUNK_AND_HEAD"])
+        _warn_freeze_without_eval_mode(settings)
         self.trunk_features_only: bool = bool(settings["EVAL_MODE_ON"] and settings["EXTRACT_TRUNK_FEATURES_ONLY"])
         self.trunk = build_trunk(model_config)
         names, heads = build_heads(model_config)

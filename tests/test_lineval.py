@@ -445,3 +445,20 @@ def test_a_linear_evaluation_without_weights_warns_that_its_trunk_is_random(capl
     task.phases = [{"train": False}]  # testing heads alone has its own warning (TEST_ONLY)
     SelfSupervisionTask.init_weights(task)
     assert "randomly initialised trunk" not in caplog.text
+
+
+def test_a_training_run_whose_model_runs_no_head_is_one_line_before_launch(tmp_path: Path) -> None:
+    """EXTRACT_TRUNK_FEATURES_ONLY left on in a linear evaluation (say, from an extraction config):
+    the model outputs trunk features and runs none of its heads, so nothing the run trains or
+    tests is a head (was: a traceback at the first step, cross_entropy's "only batches of spatial
+    targets supported", exit 1)."""
+    folder = tmp_path / "run"
+    proc = run_tool([*LINEAR, f"config.CHECKPOINT.DIR={folder}",
+                     "config.MODEL.FEATURE_EVAL_SETTINGS.EXTRACT_TRUNK_FEATURES_ONLY=true",
+                     "config.DATA.TRAIN.DATA_LIMIT=16", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+                     "config.DATA.TEST.DATA_LIMIT=8", "config.DATA.TEST.BATCHSIZE_PER_REPLICA=8"])
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert err.startswith("error: config.MODEL.FEATURE_EVAL_SETTINGS.EXTRACT_TRUNK_FEATURES_ONLY=true"), err
+    assert "run none of the 2 heads of config.MODEL.HEAD.PARAMS" in err and "engine_name=extract_features" in err, err
+    assert not folder.exists()

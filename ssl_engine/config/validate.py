@@ -1132,6 +1132,24 @@ def check_labels_given(cfg: AttrDict, splits: List[str], loss: Any, meters: List
             )
 
 
+def check_heads_are_run(model: Any) -> None:
+    """A training run (its train and test phases) scores the model's forward output. With
+    ``EXTRACT_TRUNK_FEATURES_ONLY`` (and ``EVAL_MODE_ON``) that output is the trunk's features and
+    no head runs: heads given beside it would never be trained nor tested, and the loss would
+    read features as class scores (a shape error at the first step, or a loss over the feature
+    dimensions). Say so before launch, naming the keys."""
+    heads = getattr(model, "heads", None)
+    if not getattr(model, "trunk_features_only", False) or heads is None or len(heads) == 0:
+        return
+    fes = "config.MODEL.FEATURE_EVAL_SETTINGS"
+    raise UserError(
+        f"{fes}.EXTRACT_TRUNK_FEATURES_ONLY=true (with EVAL_MODE_ON=true) makes the model output trunk features "
+        f"and run none of the {len(heads)} heads of config.MODEL.HEAD.PARAMS, so this run would train and test "
+        f"no head; set {fes}.EXTRACT_TRUNK_FEATURES_ONLY=false to train the heads, or extract the features with "
+        f"engine_name=extract_features"
+    )
+
+
 def check_no_batch_of_one(cfg: AttrDict, model: Any, loader: Any, world_size: int) -> None:
     """A last TRAIN batch of one sample on a model with a training BatchNorm1d (a projection
     head's, an mlp trunk's) fails at that step, after an epoch of work: say so before launch.
@@ -1411,6 +1429,8 @@ def _build_parts(cfg: AttrDict, world_size: int) -> Optional[List[str]]:
                               world_size))
     if model is None:
         return [n for n in notes if n]
+    if cfg.engine_name == "train":
+        check_heads_are_run(model)
     _checked("the model on the data's first samples", check_model_runs_on_samples, model, samples)
     if cfg.engine_name == "train" and loaders.get("TRAIN") is not None:
         check_no_batch_of_one(build_cfg, model, loaders["TRAIN"], world_size)

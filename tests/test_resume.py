@@ -418,27 +418,6 @@ def test_a_resumed_run_logs_each_iteration_once(setup, tmp_path):
     assert phases == list(range(2 * EPOCHS))  # a train and a test phase per epoch
 
 
-def test_param_groups_lines_of_the_iterations_a_checkpoint_covers_survive_a_kill(setup, tmp_path):
-    """HOOKS.LOG_PARAM_GROUPS keeps its rows in memory between flushes (every LOG_FREQUENCY
-    iterations): a kill after a checkpoint lost the rows of iterations that checkpoint covers, and
-    the resumed run does not run them again, so param_groups.json missed them for good. Each
-    checkpoint now writes them first."""
-    root, cfg = setup
-    folder = tmp_path / "run"
-    extra = ["config.HOOKS.LOG_PARAM_GROUPS=true", "config.LOG_FREQUENCY=10"]
-
-    def iterations():
-        return [json.loads(x)["iteration"] for x in (folder / "param_groups.json").read_text().splitlines()]
-
-    # iteration 4's checkpoint is on disk (written synchronously) when the run dies after it
-    r = run(cfg, folder, *extra, "config.CHECKPOINT.ASYNC_WRITE=false", kill="step:4")
-    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    assert iterations() == [0, 1, 2, 3]
-    r = run(cfg, folder, *extra)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert iterations() == list(range(ITERS_PER_EPOCH * EPOCHS))
-
-
 def test_precise_bn_after_a_resume_inside_the_phase_uses_the_whole_epoch(setup, tmp_path):
     """HOOKS.PRECISE_BN counted the batches it may use on the train loader as the resume left
     it, started at the checkpoint's batch: after a kill that followed an iteration checkpoint at
@@ -1209,3 +1188,25 @@ def test_with_gradient_accumulation_checkpoints_wait_for_the_update_and_resume_b
     assert r.returncode == 0, r.stderr[-3000:]
     assert_bitwise_equal(tensors_of(ref / "checkpoint.torch"), tensors_of(folder / "checkpoint.torch"))
     assert losses(ref) == losses(folder)
+
+
+@pytest.mark.parametrize("log_every", [10, 3])  # 3: rows flushed before the checkpoint and rows kept in it
+def test_a_killed_run_keeps_the_param_groups_rows_of_the_iterations_before_its_checkpoint(setup, tmp_path, log_every):
+    """HOOKS.LOG_PARAM_GROUPS keeps its rows in memory between flushes (every LOG_FREQUENCY
+    iterations): the rows of the iterations before the checkpoint a killed run resumes from are
+    on disk, so the resumed run's param_groups.json has every iteration once, as an
+    uninterrupted run's, each checkpoint writing them first (was: the rows of iterations 0-3
+    missing after a kill at iteration 5)."""
+    root, cfg = setup
+    extra = ["config.HOOKS.LOG_PARAM_GROUPS=true", f"config.LOG_FREQUENCY={log_every}", "config.CHECKPOINT.ASYNC_WRITE=false"]
+    r = run(cfg, tmp_path / "whole", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    folder = tmp_path / "killed"
+    r = run(cfg, folder, *extra, kill="step:5")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    r = run(cfg, folder, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout + r.stderr
+    whole = (tmp_path / "whole" / "param_groups.json").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in whole] == list(range(ITERS_PER_EPOCH * EPOCHS))
+    assert (folder / "param_groups.json").read_text().splitlines() == whole

@@ -326,6 +326,26 @@ def test_random_solarize_reads_vissl_key_p():
     assert ImgPilRandomSolarize(prob=0.3).prob == 0.3
 
 
+def test_random_solarize_draws_its_threshold_from_0_to_256_as_vissl():
+    """VISSL's ImgPilRandomSolarize solarizes at a threshold drawn from the integers 0..256 per
+    image, not at a fixed 128: a pixel of 200 is inverted when the threshold is <= 200 (201 of 257)."""
+    img = Image.new("RGB", (2, 2), (200, 60, 255))
+    t = ImgPilRandomSolarize(p=1.0)
+    outcomes = {}
+    for s in range(2000):
+        torch.manual_seed(s)
+        px = t(img).getpixel((0, 0))
+        outcomes[px] = outcomes.get(px, 0) + 1
+    # thresholds <= 60 invert all three, 61..200 the first and third, 201..255 the third, 256 none
+    assert set(outcomes) <= {(55, 195, 0), (55, 60, 0), (200, 60, 0), (200, 60, 255)}, outcomes
+    assert 0.72 < (outcomes.get((55, 195, 0), 0) + outcomes.get((55, 60, 0), 0)) / 2000 < 0.84, outcomes
+    assert outcomes.get((200, 60, 0), 0) > 300 and outcomes.get((55, 195, 0), 0) > 350, outcomes
+    torch.manual_seed(0)
+    assert ImgPilRandomSolarize(p=1.0, threshold=128)(img).getpixel((0, 0)) == (55, 60, 0)
+    with pytest.raises(ValueError, match="threshold"):
+        ImgPilRandomSolarize(threshold=300)
+
+
 # ----------------------------------------------------------------------------- the real tool
 # VISSL 0.1.6's configs/config/test/integration_test/quick_barlow_twins.yaml, as written there
 VISSL_QUICK_BARLOW_TWINS = """# @package _global_

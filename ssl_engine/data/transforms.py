@@ -162,25 +162,34 @@ class ImgPilGaussianBlur:
 
 @TRANSFORMS.register("ImgPilRandomSolarize")
 class ImgPilRandomSolarize:
-    """With probability ``p``, solarize a PIL image (invert pixels above ``threshold``), as in BYOL.
+    """With probability ``p``, solarize a PIL image (invert the pixels at or above a threshold), as in BYOL.
 
-    ``p`` is VISSL's key (and default, 0.66); ``prob``, the argument name of VISSL's class, is
-    accepted too.
+    As in VISSL, each solarized image draws its threshold uniformly from the integers 0..256
+    (0 inverts every pixel, 256 none); ``threshold`` fixes it instead. ``p`` is VISSL's key (and
+    default, 0.66); ``prob``, the argument name of VISSL's class, is accepted too.
     """
 
-    def __init__(self, p: Optional[float] = None, threshold: int = 128, prob: Optional[float] = None) -> None:
+    def __init__(self, p: Optional[float] = None, threshold: Optional[int] = None, prob: Optional[float] = None) -> None:
         if p is not None and prob is not None:
             raise ValueError(f"give p (VISSL's key) or prob, not both; got p={p}, prob={prob}")
         value = 0.66 if p is None and prob is None else (p if p is not None else prob)
         if not 0.0 <= float(value) <= 1.0:
             raise ValueError(f"p must be in [0, 1], got {value}")
-        self.prob, self.threshold = float(value), int(threshold)
+        self.prob = float(value)
+        self.threshold = None if threshold is None else _whole(threshold, "threshold", least=0)
+        if self.threshold is not None and self.threshold > 256:
+            raise ValueError(f"threshold={threshold!r} must be in 0..256")
 
     def __call__(self, img: Image.Image) -> Image.Image:
         _require_pil(img, "ImgPilRandomSolarize")
         if torch.rand(()).item() >= self.prob:
             return img
-        return ImageOps.solarize(img, threshold=self.threshold)
+        threshold = self.threshold if self.threshold is not None else int(torch.randint(0, 257, ()).item())
+        return ImageOps.solarize(img, threshold=threshold)
+
+    def __repr__(self) -> str:
+        drawn = "0..256 drawn" if self.threshold is None else self.threshold
+        return f"ImgPilRandomSolarize(p={self.prob}, threshold={drawn})"
 
 
 def _whole(value: Any, name: str, least: int = 1) -> int:

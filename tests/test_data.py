@@ -24,7 +24,7 @@ from ssl_engine.data import (
     set_loader_position,
     simclr_collator,
 )
-from ssl_engine.data.transforms import SSLTransformsWrapper
+from ssl_engine.data.transforms import SSLTransformsWrapper, labelling_transform
 from ssl_engine.errors import UserError
 from ssl_engine.registry import COLLATORS, DATA_SOURCES, TRANSFORMS
 
@@ -789,6 +789,16 @@ def test_replicate_then_indices_and_label_replication() -> None:
     assert s["data"][0].std() < s["data"][1].std()  # only view 0 blurred
     with pytest.raises(UserError, match="index 5 in 'indices' is out of range"):
         build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor", "indices": [5]}]), "TRAIN")[0]
+
+
+def test_empty_indices_apply_to_every_entry_as_in_vissl() -> None:
+    """VISSL reads ``indices: []`` (its default for the key) as every data entry, not as none."""
+    specs = [{"name": "ImgReplicatePil", "num_times": 2}, {"name": "ToTensor", "indices": []}]
+    s = build_dataset(make_cfg(TRANSFORMS=specs, SYNTHETIC_IMAGE_SIZE=8), "TRAIN")[(0, 1)]
+    assert [type(v) for v in s["data"]] == [torch.Tensor, torch.Tensor]
+    rot = [{"name": "ImgRotatePil", "indices": []}]
+    assert labelling_transform(rot, every_entry=True) == "ImgRotatePil"
+    assert SSLTransformsWrapper(rot).label_setters() == (3, True)
 
 
 # ----------------------------------------------------------------------------- seeded augmentation

@@ -342,6 +342,8 @@ def build_transform(spec: Dict[str, Any], where: str = "transform") -> Tuple[str
     """``(name, transform, indices)`` from one yaml entry ``{"name": ..., "indices": [...], **params}``.
 
     ``where`` names the config entry in error messages (e.g. ``config.DATA.TRAIN.TRANSFORMS[2]``).
+    ``indices`` is None when the entry applies to every data entry: without the key, or with an
+    empty list (VISSL's default for the key, which it reads as every entry).
     """
     if not isinstance(spec, dict) or "name" not in spec:
         raise UserError(f"{where} must be a mapping with a 'name' key (e.g. {{name: ToTensor}}), got {spec!r}")
@@ -368,7 +370,7 @@ def build_transform(spec: Dict[str, Any], where: str = "transform") -> Tuple[str
             indices = [indices]
         if not isinstance(indices, (list, tuple)) or not all(isinstance(i, int) for i in indices):
             raise UserError(f"{where}.indices must be a list of ints (data entry positions), got {indices!r}")
-        indices = list(indices)
+        indices = list(indices) or None  # an empty list means every entry, as in VISSL
     return name, transform, indices
 
 
@@ -507,7 +509,7 @@ def labelling_transform(specs: Any, every_entry: bool = False) -> Optional[str]:
     for spec in specs or []:
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or spec["name"] not in TRANSFORMS:
             continue
-        if getattr(TRANSFORMS.get(spec["name"]), "sets_label", False) and not (every_entry and spec.get("indices") is not None):
+        if getattr(TRANSFORMS.get(spec["name"]), "sets_label", False) and not (every_entry and spec.get("indices") not in (None, [])):
             return spec["name"]
     return None
 

@@ -140,7 +140,7 @@ TRANSFORMS = Registry("transform", "config.DATA.<split>.TRANSFORMS[].name", "TRA
     "ImgPatchesFromTensor", "ImgPil2LabTensor", "ImgPilGaussianBlurCV2", "ImgPilRandomColorJitter",
     "ImgPilRandomPhotometric", "ImgPilResizeLargerSide", "ImgPilSolarize", "ImgPilToPatchesAndImage",
     "ImgPilToRawTensor", "ImgToTensor", "MNISTImgPil2RGB", "OneHotEncode", "ShuffleImgPatches",
-    "VisslAutoAugment"))
+    "VisslAutoAugment", "ImgPil2RGB", "MaskedImageModeling", "MultiLabelTransform", "TensorToImgPil"))
 COLLATORS = Registry("collator", "config.DATA.<split>.COLLATE_FUNCTION", "COLLATORS", vissl_names=(
     "cutmixup_collator", "patch_and_image_collator", "siamese_collator", "targets_one_hot_default_collator",
     "ibot_multicrop_masking_collator", "identity_collator", "multicrop_mixup_collator"))

@@ -791,6 +791,12 @@ def test_replicate_then_indices_and_label_replication() -> None:
         build_dataset(make_cfg(TRANSFORMS=[{"name": "ToTensor", "indices": [5]}]), "TRAIN")[0]
 
 
+@pytest.mark.parametrize("name", ["ImgPil2RGB", "MaskedImageModeling", "MultiLabelTransform", "TensorToImgPil"])
+def test_vissls_later_transforms_are_named_as_vissls_not_as_a_near_implemented_name(name: str) -> None:
+    with pytest.raises(UserError, match=rf"transform '{name}'.* is one of VISSL's that ssl_engine does not implement") as exc:
+        SSLTransformsWrapper([{"name": name}], "config.DATA.TRAIN.TRANSFORMS")
+    assert "did you mean" not in str(exc.value)
+
 def test_empty_indices_apply_to_every_entry_as_in_vissl() -> None:
     """VISSL reads ``indices: []`` (its default for the key) as every data entry, not as none."""
     specs = [{"name": "ImgReplicatePil", "num_times": 2}, {"name": "ToTensor", "indices": []}]

@@ -754,6 +754,15 @@ def test_transform_errors_are_user_errors() -> None:
             build_transform(spec)
     with pytest.raises(UserError, match="'name'"):
         build_transform({"size": 3})
+    # a flat crop_scales (one group's pair without its brackets) or a bare number for a group list
+    for key, value, said in (("crop_scales", [0.5, 1.0], r"crop_scales\[0\]=0\.5 must be a pair of numbers \[min, max\]"),
+                             ("crop_scales", [["a", 1]], r"crop_scales\[0\]=\['a', 1\] must be a pair"),
+                             ("num_crops", 3, r"num_crops=3 must be a list with one entry per group of crops"),
+                             ("size_crops", 16, r"size_crops=16 must be a list with one entry per group")):
+        spec = {"name": "ImgPilToMultiCrop", "total_num_crops": 3, "num_crops": [3], "size_crops": [16],
+                "crop_scales": [[0.5, 1.0]], key: value}
+        with pytest.raises(UserError, match=r"ImgPilToMultiCrop.*" + said):
+            build_transform(spec)
     ds = build_dataset(make_cfg(TRANSFORMS=[{"name": "Normalize", "mean": [0.5] * 3, "std": [0.5] * 3}]), "TRAIN")
     with pytest.raises(UserError, match=r"TRANSFORMS\[0\] \(Normalize with mean=\[0.5, 0.5, 0.5\], std=\[0.5, 0.5, 0.5\]\) "
                                         r"failed"):

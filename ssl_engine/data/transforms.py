@@ -200,6 +200,21 @@ def _whole(value: Any, name: str, least: int = 1) -> int:
     return number
 
 
+def _groups(value: Any, name: str, example: str) -> List[Any]:
+    """A per-group option of ImgPilToMultiCrop: a list with one entry per group of crops."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name}={value!r} must be a list with one entry per group of crops, e.g. {name}: {example}")
+    return list(value)
+
+
+def _scale_pair(value: Any, i: int) -> List[float]:
+    """``crop_scales[i]``: the [min, max] fraction of the image area a crop of group i covers."""
+    if (isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise ValueError(f"crop_scales[{i}]={value!r} must be a pair of numbers [min, max], e.g. [0.14, 1]")
+    return [float(value[0]), float(value[1])]
+
+
 @TRANSFORMS.register("ImgPilToMultiCrop")
 class ImgPilToMultiCrop:
     """SwAV's multi-crop: ``num_crops[i]`` random resized crops of size ``size_crops[i]`` and scale ``crop_scales[i]``.
@@ -214,10 +229,12 @@ class ImgPilToMultiCrop:
         size_crops: Sequence[int],
         crop_scales: Sequence[Sequence[float]],
     ) -> None:
-        num_crops = [_whole(n, f"num_crops[{i}]", least=0) for i, n in enumerate(num_crops)]
-        size_crops = [_whole(n, f"size_crops[{i}]") for i, n in enumerate(size_crops)]
+        num_crops = [_whole(n, f"num_crops[{i}]", least=0) for i, n in enumerate(_groups(num_crops, "num_crops", "[2, 6]"))]
+        size_crops = [_whole(n, f"size_crops[{i}]") for i, n in enumerate(_groups(size_crops, "size_crops", "[224, 96]"))]
         total_num_crops = _whole(total_num_crops, "total_num_crops")
-        crop_scales = [list(s) for s in crop_scales]
+        crop_scales = [
+            _scale_pair(sc, i) for i, sc in enumerate(_groups(crop_scales, "crop_scales", "[[0.14, 1], [0.05, 0.14]]"))
+        ]
         if not (len(num_crops) == len(size_crops) == len(crop_scales)):
             raise ValueError(
                 f"num_crops, size_crops and crop_scales must have the same length, got "

@@ -822,3 +822,26 @@ def test_the_test_batch_label_check_refuses_only_a_batch_whose_loss_would_be_nan
     check([0, 1, -1, -1, 2, 3], loss=total)
     check([0, 1, -1, -1, 2, 3], config=compose(["config=quick/supervised_digits", "config.HOOKS.CHECK_NAN=false"],
                                                warn_unused=False))
+
+
+def test_step_with_fixed_gamma_and_polynomial_take_their_options_from_a_yaml_file(tmp_path):
+    """The options of classy's step_with_fixed_gamma and polynomial schedules are config keys, so a
+    VISSL yaml that uses one composes, and the schedule is classy's for those values."""
+    from ssl_engine.config.compose import compose
+    from ssl_engine.optim import build_lr_scheduler
+
+    yaml = tmp_path / "fixed_gamma.yaml"
+    yaml.write_text("# @package _global_\nconfig:\n  OPTIMIZER:\n    num_epochs: 6\n"
+                    "    head_optimizer_params: {use_different_lr: true}\n    param_schedulers:\n"
+                    "      lr: {name: step_with_fixed_gamma, base_value: 0.4, gamma: 0.5, num_decays: 2, "
+                    "update_interval: step}\n"
+                    "      lr_head: {name: polynomial, base_value: 0.2, power: 2.0}\n")
+    cfg = compose([f"config={yaml}"])
+    lr, interval = build_lr_scheduler(cfg.OPTIMIZER.param_schedulers.lr, 6, 256)
+    assert interval == "step"
+    assert [lr(w) for w in (0.0, 0.3, 1 / 3, 0.6, 2 / 3, 0.99)] == [0.4, 0.4, 0.2, 0.2, 0.1, 0.1]
+    head, _ = build_lr_scheduler(cfg.OPTIMIZER.param_schedulers.lr_head, 6, 256)
+    assert head(0.5) == pytest.approx(0.2 * 0.5 ** 2)
+    lr_cfg_missing = dict(cfg.OPTIMIZER.param_schedulers.lr, gamma=None)
+    with pytest.raises(UserError, match=r"lr\.gamma is required for the 'step_with_fixed_gamma' schedule"):
+        build_lr_scheduler(lr_cfg_missing, 6, 256)

@@ -202,6 +202,8 @@ def build_param_scheduler(cfg: Mapping[str, Any], num_epochs: int, where: str = 
         if name == "composite":
             return _build_composite(cfg, num_epochs, where)
         # Any other schedule registered with classy_vision (polynomial, step_with_fixed_gamma, ...).
+        for key in _READS.get(name, ()):
+            _require(cfg, key, where)
         plain = dict(cfg)
         plain.pop("update_interval", None)
         plain.pop("auto_lr_scaling", None)
@@ -477,6 +479,8 @@ _READS: Dict[str, Tuple[str, ...]] = {
     "cosine_warm_restart": ("start_value", "end_value", "restart_interval_length", "wave_type", "lr_multiplier",
                             "is_adaptive"),
     "composite": ("schedulers", "interval_scaling", "lengths"),
+    "step_with_fixed_gamma": ("base_value", "gamma", "num_decays"),
+    "polynomial": ("base_value", "power"),
 }
 
 

@@ -845,3 +845,25 @@ def test_step_with_fixed_gamma_and_polynomial_take_their_options_from_a_yaml_fil
     lr_cfg_missing = dict(cfg.OPTIMIZER.param_schedulers.lr, gamma=None)
     with pytest.raises(UserError, match=r"lr\.gamma is required for the 'step_with_fixed_gamma' schedule"):
         build_lr_scheduler(lr_cfg_missing, 6, 256)
+
+
+def test_inverse_sqrt_schedule_as_vissl_computes_it():
+    """VISSL's inverse_sqrt: start_value * sqrt(warmup_interval_length / where), after a linear
+    warm-up in VISSL's composite layout; auto scaling sets its start_value to the scaled lr."""
+    from ssl_engine.optim import build_lr_scheduler
+
+    sched = build_param_scheduler(lr_cfg(name="inverse_sqrt", start_value=0.4, warmup_interval_length=0.25), 10)
+    assert sched(0.0) == pytest.approx(0.2)  # start_value * sqrt(0.25)
+    assert sched(0.25) == pytest.approx(0.4) and sched(0.64) == pytest.approx(0.4 * math.sqrt(0.25 / 0.64))
+    warm = build_param_scheduler(lr_cfg(
+        name="composite", lengths=[0.25, 0.75], interval_scaling=["rescaled", "fixed"],
+        schedulers=[{"name": "linear", "start_value": 0.0, "end_value": 0.4},
+                    {"name": "inverse_sqrt", "start_value": 0.4, "warmup_interval_length": 0.25}]), 10)
+    assert warm(0.125) == pytest.approx(0.2) and warm(0.25) == pytest.approx(0.4) and warm(0.81) == pytest.approx(
+        0.4 * math.sqrt(0.25 / 0.81))
+    scaled, _ = build_lr_scheduler(dict(lr_cfg(name="inverse_sqrt", start_value=0.4, warmup_interval_length=0.25),
+                                        auto_lr_scaling={"auto_scale": True, "base_value": 0.1,
+                                                         "base_lr_batch_size": 256}), 10, 512)
+    assert scaled(0.25) == pytest.approx(0.2)  # 0.1 * 512 / 256
+    with pytest.raises(UserError, match=r"lr\.warmup_interval_length is required for the 'inverse_sqrt' schedule"):
+        build_param_scheduler(lr_cfg(name="inverse_sqrt", start_value=0.4), 10)

@@ -42,6 +42,7 @@ _VALUE_KEYS: Dict[str, Tuple[str, ...]] = {
     "cosine_warm_restart": ("start_value", "end_value"),
     "polynomial": ("base_value",),
     "step_with_fixed_gamma": ("base_value",),
+    "inverse_sqrt": ("start_value",),
 }
 
 
@@ -97,6 +98,24 @@ class CosineWarmRestartParamScheduler(ParamScheduler):
         k = max(0, bisect.bisect_right(self.restarts, where) - 1)
         phase = (where % self.interval) / self.interval if self.wave_type == "half" else where / self.interval
         return self.end_value + 0.5 * (self.peaks[k] - self.end_value) * (1.0 + math.cos(math.pi * phase))
+
+
+class InverseSqrtParamScheduler(ParamScheduler):
+    """VISSL's ``inverse_sqrt`` schedule: the value falls as the inverse square root of training
+    progress, ``start_value * sqrt(warmup_interval_length / where)``, so it equals ``start_value``
+    at ``where == warmup_interval_length`` (a fraction of training; 0: ``start_value / sqrt(where)``).
+    At ``where == 0`` it is ``start_value * sqrt(warmup_interval_length)`` (``start_value`` for 0).
+    It usually follows a linear warm-up in a composite schedule with ``interval_scaling: fixed``.
+    """
+
+    def __init__(self, start_value: float, warmup_interval_length: float) -> None:
+        super().__init__()
+        if not (math.isfinite(warmup_interval_length) and warmup_interval_length >= 0.0):
+            raise ValueError(f"warmup_interval_length={warmup_interval_length} must be a fraction of training >= 0")
+        self.decay_factor = start_value * math.sqrt(warmup_interval_length) if warmup_interval_length > 0 else start_value
+
+    def __call__(self, where: float) -> float:
+        return self.decay_factor / math.sqrt(where) if where > 0 else self.decay_factor
 
 
 def scheduler_names() -> List[str]:
@@ -198,6 +217,12 @@ def build_param_scheduler(cfg: Mapping[str, Any], num_epochs: int, where: str = 
                 wave_type=str(cfg.get("wave_type") or "half"),
                 lr_multiplier=_number(cfg.get("lr_multiplier", 1.0), f"{where}.lr_multiplier"),
                 is_adaptive=bool(cfg.get("is_adaptive", False)),
+            )
+        if name == "inverse_sqrt":
+            return InverseSqrtParamScheduler(
+                start_value=_number(_require(cfg, "start_value", where), f"{where}.start_value"),
+                warmup_interval_length=_number(
+                    _require(cfg, "warmup_interval_length", where), f"{where}.warmup_interval_length"),
             )
         if name == "composite":
             return _build_composite(cfg, num_epochs, where)
@@ -372,6 +397,9 @@ def _scale_as_vissl(cfg: Dict[str, Any], scaled_lr: float, factor: float) -> Non
     elif name == "step_with_fixed_gamma":
         cfg["base_value"] = float(scaled_lr)
         return
+    elif name == "inverse_sqrt":
+        cfg["start_value"] = float(scaled_lr)
+        return
     _multiply(cfg, factor)
 
 
@@ -481,6 +509,7 @@ _READS: Dict[str, Tuple[str, ...]] = {
     "composite": ("schedulers", "interval_scaling", "lengths"),
     "step_with_fixed_gamma": ("base_value", "gamma", "num_decays"),
     "polynomial": ("base_value", "power"),
+    "inverse_sqrt": ("start_value", "warmup_interval_length"),
 }
 
 

@@ -867,3 +867,22 @@ def test_inverse_sqrt_schedule_as_vissl_computes_it():
     assert scaled(0.25) == pytest.approx(0.2)  # 0.1 * 512 / 256
     with pytest.raises(UserError, match=r"lr\.warmup_interval_length is required for the 'inverse_sqrt' schedule"):
         build_param_scheduler(lr_cfg(name="inverse_sqrt", start_value=0.4), 10)
+
+
+def test_a_composite_child_option_its_schedule_does_not_read_is_a_user_error():
+    """A composite's child is written in full, so an option its schedule does not read (a typo,
+    or one of another schedule) is one line naming it and what the schedule reads."""
+    def composite(child):
+        return lr_cfg(name="composite", lengths=[0.5, 0.5], update_interval="step",
+                      schedulers=[{"name": "constant", "value": 0.1}, child])
+
+    with pytest.raises(UserError, match=r"^config\.OPTIMIZER\.param_schedulers\.lr\.schedulers\[1\]: end_vlaue is not "
+                                        r"an option of the 'cosine' schedule \(it reads start_value, end_value\)$"):
+        build_param_scheduler(composite({"name": "cosine", "start_value": 0.1, "end_value": 0.0, "end_vlaue": 0.001}),
+                              10)
+    with pytest.raises(UserError, match=r"schedulers\[1\]: value, milestones are not options of the 'step' schedule"):
+        build_param_scheduler(composite({"name": "step", "values": [0.1, 0.01], "value": 1.0, "milestones": [5]}), 10)
+    # the keys classy reads on any schedule are taken
+    ok = build_param_scheduler(composite({"name": "cosine", "start_value": 0.1, "end_value": 0.0,
+                                          "update_interval": "step", "num_epochs": 10}), 10)
+    assert ok(0.75) == pytest.approx(0.05)

@@ -263,8 +263,32 @@ def _build_composite(cfg: Mapping[str, Any], num_epochs: int, where: str) -> Par
             f"{where}.interval_scaling={scaling} must hold one of {INTERVAL_SCALINGS} per schedule "
             f"({len(children)} schedules), or be empty for all 'rescaled'"
         )
+    for i, child in enumerate(children):
+        _check_child_options(child, f"{where}.schedulers[{i}]")
     built = [build_param_scheduler(child, num_epochs, f"{where}.schedulers[{i}]") for i, child in enumerate(children)]
     return CompositeParamScheduler(schedulers=built, lengths=lengths, interval_scaling=scaling)
+
+
+#: keys a composite's child may hold besides the options its schedule reads (classy reads them on any schedule)
+_CHILD_KEYS = ("name", "update_interval", "num_epochs")
+
+
+def _check_child_options(child: Any, where: str) -> None:
+    """A UserError naming the options of a composite's child that its schedule does not read.
+
+    A child is written in full by the user (no defaults fill it), so such an option is a typo
+    (``end_vlaue``) or meant for another schedule, and the run would silently train without it.
+    Schedules registered by users are not checked (their options are unknown here).
+    """
+    if not isinstance(child, Mapping):
+        raise UserError(f"{where}={child!r} must be a schedule: a mapping with a name and its options")
+    reads = _READS.get(str(child.get("name")))
+    if reads is None:
+        return
+    unread = [str(k) for k in child if k not in reads and k not in _CHILD_KEYS]
+    if unread:
+        raise UserError(f"{where}: {', '.join(unread)} {'is not an option' if len(unread) == 1 else 'are not options'} "
+                        f"of the {child.get('name')!r} schedule (it reads {', '.join(reads)})")
 
 
 def _lr_values(cfg: Mapping[str, Any]) -> List[float]:

@@ -405,6 +405,25 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
         assert torch.allclose(x, y, atol=1e-5), k
 
 
+def test_gradient_accumulation_reads_the_step_schedule_as_a_bigger_batch_does(tmp_path):
+    """2 accumulated batches of 8 take the lr one batch of 16 takes at each update (that of the
+    update's first batch): the schedule starts at its start_value, and the weights are the same."""
+    sched = ["config.OPTIMIZER.param_schedulers.lr.name=linear", "config.OPTIMIZER.param_schedulers.lr.start_value=0.4",
+             "config.OPTIMIZER.param_schedulers.lr.end_value=0.0", "config.OPTIMIZER.param_schedulers.lr.update_interval=step",
+             "config.OPTIMIZER.momentum=0.0", "config.OPTIMIZER.weight_decay=0.0"]
+    a = tiny_task(tmp_path / "a", "config.TRAINER.GRAD_ACCUMULATION_STEPS=2", *sched)
+    b = tiny_task(tmp_path / "b", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16", *sched)
+    b.base_model.load_state_dict(a.base_model.state_dict())
+    lrs = {"a": [], "b": []}
+    for name, task in (("a", a), ("b", b)):
+        step = task.optimizer.step
+        task.optimizer.step = lambda *args, _step=step, _lrs=lrs[name], _t=task: (_lrs.append(_t.optimizer.lr), _step())[1]
+        run_phase(task)
+    assert lrs["a"] == lrs["b"] and lrs["a"][0] == 0.4, lrs
+    for (k, x), y in zip(a.base_model.state_dict().items(), b.base_model.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-5), k
+
+
 @pytest.mark.parametrize("accum", [3, 8])
 def test_gradient_accumulation_steps_at_the_end_of_each_train_phase(tmp_path, accum):
     """4 batches per phase: with 8 accumulation steps the run never updated the weights; with 3

@@ -340,12 +340,20 @@ def one_sample_batch_error(cfg: Any, split: str, per_rank: Optional[int], rows: 
     )
 
 
+def _update_where(task: Any, accum: int) -> float:
+    """The training progress an update reads its scheduled values (lr, ...) at: that of the first
+    batch it accumulated, so k accumulated batches of B get the values one batch of k * B gets at
+    that update (the first update of training gets the schedule's start)."""
+    first = task.progress_iteration - task.local_iteration_num % max(1, accum)
+    return min(1.0, first / max(1, task.max_iteration))
+
+
 def _update(task: Any, settings: StepSettings) -> None:
     """Schedule, clip and optimizer step, then clear the gradients."""
     cfg = task.config
     opt = task.optimizer
     if opt.update_interval == "step":
-        opt.set_where(task.where)
+        opt.set_where(_update_where(task, settings.accum))
     if settings.grad_clip:
         if task.grad_scaler is not None:
             task.grad_scaler.unscale_(opt)

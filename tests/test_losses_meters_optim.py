@@ -882,6 +882,15 @@ def test_a_composite_child_option_its_schedule_does_not_read_is_a_user_error():
                               10)
     with pytest.raises(UserError, match=r"schedulers\[1\]: value, milestones are not options of the 'step' schedule"):
         build_param_scheduler(composite({"name": "step", "values": [0.1, 0.01], "value": 1.0, "milestones": [5]}), 10)
+    # with auto scaling too, which reads every child first (an entry that is no mapping was a traceback)
+    from ssl_engine.optim import build_lr_scheduler
+
+    auto = {"auto_scale": True, "base_value": 0.1, "base_lr_batch_size": 256, "scaling_type": "linear"}
+    with pytest.raises(UserError, match=r"^config\.OPTIMIZER\.param_schedulers\.lr\.schedulers\[1\]=0\.2 must be a "
+                                        r"schedule: a mapping with a name and its options$"):
+        build_lr_scheduler(dict(composite(0.2), auto_lr_scaling=auto), 10, 512)
+    with pytest.raises(UserError, match=r"schedulers\[1\]: foo is not an option of the 'constant' schedule"):
+        build_lr_scheduler(dict(composite({"name": "constant", "value": 0.1, "foo": 1}), auto_lr_scaling=auto), 10, 512)
     # the keys classy reads on any schedule are taken
     ok = build_param_scheduler(composite({"name": "cosine", "start_value": 0.1, "end_value": 0.0,
                                           "update_interval": "step", "num_epochs": 10}), 10)

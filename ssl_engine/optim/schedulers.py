@@ -291,6 +291,15 @@ def _check_child_options(child: Any, where: str) -> None:
                         f"of the {child.get('name')!r} schedule (it reads {', '.join(reads)})")
 
 
+def _check_children(cfg: Mapping[str, Any], where: str) -> None:
+    """:func:`_check_child_options` on every child of a composite schedule, nested ones too."""
+    if cfg.get("name") != "composite":
+        return
+    for i, child in enumerate(cfg.get("schedulers") or []):
+        _check_child_options(child, f"{where}.schedulers[{i}]")
+        _check_children(child, f"{where}.schedulers[{i}]")
+
+
 def _lr_values(cfg: Mapping[str, Any]) -> List[float]:
     """Every learning-rate value in a schedule config, composite children included."""
     name = cfg.get("name")
@@ -514,6 +523,7 @@ def build_lr_scheduler(
     interval = lr_cfg.get("update_interval", "epoch")
     if interval not in UPDATE_INTERVALS:
         raise UserError(f"{key}.update_interval={interval!r} is not valid; use one of {', '.join(UPDATE_INTERVALS)}")
+    _check_children(lr_cfg, key)  # before scaling, which reads every child
     scaled = scale_lr_schedule(lr_cfg, global_batch_size, num_nodes, key)
     scheduler = build_param_scheduler(scaled, num_epochs, key)
     _warn_unread_keys(lr_cfg, key)

@@ -532,6 +532,13 @@ def test_auto_lr_scaling_linear_and_sqrt():
     assert single["name"] == "cosine" and "schedulers" not in single
     assert (single["start_value"], single["end_value"]) == pytest.approx((0.6, 0.0))
     assert single["auto_lr_scaling"] == auto
+    # a warm-up written to end below the peak ends at the scaled lr too (VISSL sets end_value = scaled_lr),
+    # so on one node it is left out as well (it was kept, falling from 0.6 to 0.3, then jumping back to 0.6)
+    low = dict(composite, schedulers=[{"name": "linear", "start_value": 0.0, "end_value": 0.15},
+                                      {"name": "cosine", "start_value": 0.3, "end_value": 0.0}])
+    children = scale_lr_schedule(low, 512, num_nodes=2)["schedulers"]
+    assert (children[0]["start_value"], children[0]["end_value"]) == pytest.approx((0.3, 0.6))
+    assert scale_lr_schedule(low, 512, num_nodes=1)["name"] == "cosine"
     three = dict(composite, lengths=[0.1, 0.6, 0.3], interval_scaling=["rescaled", "fixed", "fixed"],
                  schedulers=composite["schedulers"] + [{"name": "constant", "value": 0.003}])
     kept = scale_lr_schedule(three, 512)

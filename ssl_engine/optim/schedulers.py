@@ -411,7 +411,10 @@ def _scale_as_vissl(cfg: Dict[str, Any], scaled_lr: float, factor: float) -> Non
     name = str(cfg.get("name"))
     if name == "composite":
         for child in cfg.get("schedulers") or []:
+            warm_up = child.get("name") == "linear" and _rises(child)
             _scale_as_vissl(child, scaled_lr, factor)
+            if warm_up:  # VISSL: a composite's warm-up ends at the scaled lr, wherever it was written to end
+                child["end_value"] = float(scaled_lr)
         return
     if name in ("multistep", "step"):
         values = [float(v) for v in cfg.get("values") or []]

@@ -39,6 +39,10 @@ def load_builtin_parts() -> None:
     import ssl_engine.train_steps  # noqa: F401
 
 
+class RegistrationError(UserError, ValueError):
+    """A name registered twice in one registry (a part of the user's named like a built-in)."""
+
+
 class Registry:
     """A name -> object table for one kind of part (trunk, loss, hook, ...).
 
@@ -65,7 +69,10 @@ class Registry:
         def wrap(obj: Any) -> Any:
             key = name or obj.__name__
             if key in self._objects and self._objects[key] is not obj:
-                raise ValueError(f"{self.kind} {key!r} is already registered to {self._objects[key]!r}")
+                other = self._objects[key]
+                raise RegistrationError(
+                    f"{self.kind} {key!r} is already registered to {getattr(other, '__module__', '?')}."
+                    f"{getattr(other, '__qualname__', repr(other))}; register yours under another name")
             self._objects[key] = obj
             return obj
 

@@ -992,6 +992,27 @@ def test_user_modules_are_found_from_the_folder_the_tool_runs_in(tmp_path):
     assert proc.returncode == 2 and "config.USER_MODULES: cannot import not_here: No module named 'not_here'" in proc.stderr
 
 
+@pytest.mark.parametrize("source, line, what", [
+    ("from ssl_engine.registry import TRUNKS\ndef f(:\n    pass\n", 2, "SyntaxError: invalid syntax"),
+    ("import os\nsettings = {}\nratio = 1 / len(settings)\n", 3, "ZeroDivisionError: division by zero"),
+    ("import no_such_package_of_yours\n", 1, "ModuleNotFoundError: No module named 'no_such_package_of_yours'"),
+    ("from torch import nn\nfrom ssl_engine.registry import TRUNKS\n\n\n@TRUNKS.register('mlp')\n"
+     "class MyMLP(nn.Module):\n    pass\n", 5,
+     "trunk 'mlp' is already registered to ssl_engine.models.trunks.mlp.MLPTrunk; register yours under another name"),
+], ids=["syntax-error", "raises-at-import", "imports-a-missing-package", "name-of-a-built-in"])
+def test_a_user_module_that_cannot_be_imported_is_one_line_naming_its_file_and_line(tmp_path, capsys, source, line, what):
+    """A syntax error, an exception at the module's top level, or a part registered under a
+    built-in's name is one line with the module's file and line, exit 2 (was a traceback, exit 1)."""
+    module = tmp_path / f"parts_{tmp_path.name.replace('-', '_')}.py"
+    module.write_text(source)
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{module}]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == f"error: config.USER_MODULES: cannot import {module} ({module} line {line}): {what}", err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_folder_in_place_of_the_checkpoint_pointer_is_refused_before_launch(tmp_path, capsys):
     """Found only at the first checkpoint, it cost the training up to there on every rerun."""
     (tmp_path / "run" / "checkpoint.torch").mkdir(parents=True)

@@ -722,6 +722,62 @@ def test_a_head_that_does_not_fit_a_trunk_of_your_own_is_refused_before_launch(t
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+BAD_TRUNKS = """
+from torch import nn
+from ssl_engine.registry import TRUNKS
+
+
+@TRUNKS.register("returns_a_tensor")
+class ReturnsATensor(nn.Module):
+    def __init__(self, model_config, model_name):
+        super().__init__()
+        self.fc = nn.Linear(3 * 32 * 32, 16)
+
+    def forward(self, x, out_feat_keys=None):
+        return self.fc(x.flatten(1))
+
+
+@TRUNKS.register("returns_nothing")
+class ReturnsNothing(ReturnsATensor):
+    def forward(self, x, out_feat_keys=None):
+        self.fc(x.flatten(1))
+
+
+@TRUNKS.register("takes_only_the_config")
+class TakesOnlyTheConfig(nn.Module):
+    def __init__(self, model_config):
+        super().__init__()
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_trunks(tmp_path_factory) -> Path:
+    module = tmp_path_factory.mktemp("bad_trunks") / "bad_trunks_parts.py"
+    module.write_text(BAD_TRUNKS)
+    return module
+
+
+@pytest.mark.parametrize("name, line, what", [
+    ("returns_a_tensor", 6, "returned one tensor of shape [2, 16] from forward; a trunk returns a list of feature tensors"),
+    ("returns_nothing", 16, "returned NoneType from forward; a trunk returns a list of feature tensors"),
+    ("takes_only_the_config", 22, "cannot be built as TakesOnlyTheConfig(model_config, model_name): too many "
+                                  "positional arguments"),
+])
+def test_a_trunk_of_your_own_that_breaks_its_contract_is_one_line_before_launch(tmp_path, capsys, bad_trunks, name,
+                                                                                line, what):
+    """A trunk whose forward returns a tensor (it was taken for a batch of rows and reported as a head
+    of the wrong size), None (a TypeError traceback at the first step), or whose constructor does not
+    take (model_config, model_name) (a traceback in the rank) is one line naming it, exit 2."""
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{bad_trunks}]",
+                                   f"config.MODEL.TRUNK.NAME={name}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: trunk {name!r} (config.MODEL.TRUNK.NAME) ({bad_trunks} line {line}) "), err
+    assert what in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp_path, capsys):
     """33 samples in batches of 16 leave a last batch of 1, which BatchNorm cannot train on:
     one line with the arithmetic and DROP_LAST, exit 2 (was a ValueError traceback). A head's

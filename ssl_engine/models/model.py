@@ -58,7 +58,41 @@ def _eval_settings(model_config: AttrDict) -> Dict[str, Any]:
 def build_trunk(model_config: AttrDict) -> nn.Module:
     """The trunk named by ``MODEL.TRUNK.NAME`` (default 'resnet'), built as ``cls(model_config, name)``."""
     name = (model_config.get("TRUNK", {}) or {}).get("NAME", "resnet")
-    return TRUNKS.get(name)(model_config, name)
+    trunk_cls = TRUNKS.get(name)
+    try:
+        inspect.signature(trunk_cls).bind(model_config, name)
+    except TypeError as err:
+        raise UserError(
+            f"trunk {name!r} (config.MODEL.TRUNK.NAME) {part_origin(trunk_cls)} cannot be built as "
+            f"{getattr(trunk_cls, '__name__', name)}(model_config, model_name): {err}; a trunk's constructor takes "
+            f"the model config and its name"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call says what is wrong
+        pass
+    return trunk_cls(model_config, name)
+
+
+def part_origin(obj: Any) -> str:
+    """'(file.py line N)': where a registered class or function is defined, for errors about a
+    part of the user's; empty when that is unknown."""
+    try:
+        return f"({inspect.getsourcefile(obj)} line {inspect.getsourcelines(obj)[1]})"
+    except (TypeError, OSError):
+        return ""
+
+
+def bad_trunk_output(trunk: nn.Module, name: str, out: Any) -> UserError:
+    """The error for a trunk whose forward returned something other than a list of tensors."""
+    if isinstance(out, (list, tuple)):
+        got = f"a {type(out).__name__} of {', '.join(sorted({type(o).__name__ for o in out})) or 'nothing'}"
+    elif isinstance(out, torch.Tensor):
+        got = f"one tensor of shape {list(out.shape)}"
+    else:
+        got = type(out).__name__
+    return UserError(
+        f"trunk {name!r} (config.MODEL.TRUNK.NAME) {part_origin(type(trunk))} returned {got} from forward; a trunk "
+        f"returns a list of feature tensors, e.g. [features] (one per layer asked for in out_feat_keys)"
+    )
 
 
 def _build_head_module(model_config: AttrDict, spec: Any, where: str) -> Tuple[str, nn.Module]:
@@ -149,6 +183,7 @@ class SSLModel(nn.Module):
         _warn_freeze_without_eval_mode(settings)
         self.trunk_features_only: bool = bool(settings["EVAL_MODE_ON"] and settings["EXTRACT_TRUNK_FEATURES_ONLY"])
         self.trunk = build_trunk(model_config)
+        self.trunk_name: str = str((model_config.get("TRUNK", {}) or {}).get("NAME", "resnet"))
         names, heads = build_heads(model_config)
         self.head_names = names
         self.heads = nn.ModuleList(heads)
@@ -346,8 +381,12 @@ class SSLModel(nn.Module):
         """The trunk on one tensor, without grad when the trunk is frozen and gradients are on."""
         if self.trunk_frozen and torch.is_grad_enabled():
             with torch.no_grad():
-                return self.trunk(x, layers)
-        return self.trunk(x, layers)
+                out = self.trunk(x, layers)
+        else:
+            out = self.trunk(x, layers)
+        if not isinstance(out, (list, tuple)) or not out or not isinstance(out[0], torch.Tensor):
+            raise bad_trunk_output(self.trunk, self.trunk_name, out)
+        return out
 
     def _pooled_features(self, batch: Batch, flatten: bool) -> List[torch.Tensor]:
         feats = self._trunk_forward(batch, list(self.feat_layer_names))

@@ -25,6 +25,42 @@ def accepted_params(cls: Any, skip: int = 0) -> List[str]:
     return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
+def part_origin(obj: Any) -> str:
+    """'(file.py line N)': where a registered class or function is defined, for errors about a
+    part of the user's; empty when that is unknown."""
+    import inspect
+
+    try:
+        return f"({inspect.getsourcefile(obj)} line {inspect.getsourcelines(obj)[1]})"
+    except (TypeError, OSError):
+        return ""
+
+
+def build_from_config(kind: str, name: str, key: str, cls: Any, options: Mapping[str, Any]) -> Any:
+    """``cls.from_config(options)``; a TypeError raised where the call's arguments are bound (a
+    constructor that does not take the options: an unknown or a missing keyword) is a UserError
+    naming the part, the key of its options and the options. An error raised further inside the
+    constructor's own code is left as it is."""
+    import types
+
+    try:
+        return cls.from_config(options)
+    except TypeError as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        from_config = getattr(getattr(cls, "from_config", None), "__func__", None)
+        binding = {build_from_config.__code__}
+        if isinstance(from_config, types.FunctionType):
+            binding.add(from_config.__code__)
+        if tb is None or tb.tb_frame.f_code not in binding:
+            raise
+        raise UserError(
+            f"{kind} {name!r} ({key}) {part_origin(cls)} cannot be built from its options "
+            f"{dict(options)!r}: {e}; accepted: {', '.join(accepted_params(cls)) or '(none)'}"
+        ) from None
+
+
 def load_builtin_parts() -> None:
     """Import every module that registers a built-in part (imports torch; once per process)."""
     import ssl_engine.data  # noqa: F401

@@ -778,6 +778,97 @@ def test_a_trunk_of_your_own_that_breaks_its_contract_is_one_line_before_launch(
     assert not (tmp_path / "run").exists()
 
 
+BAD_LOSSES_AND_METERS = """
+from classy_vision.losses import ClassyLoss
+from classy_vision.meters import ClassyMeter
+from ssl_engine.registry import COLLATORS, LOSSES, METERS
+
+
+@LOSSES.register("returns_a_float")
+class ReturnsAFloat(ClassyLoss):
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+    def forward(self, output, target):
+        return 1.0
+
+
+@LOSSES.register("returns_per_row_losses")
+class ReturnsPerRowLosses(ReturnsAFloat):
+    def forward(self, output, target):
+        return output[0].sum(1)
+
+
+@LOSSES.register("takes_a_margin")
+class TakesAMargin(ReturnsAFloat):
+    def __init__(self, margin=1.0):
+        super().__init__()
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+@METERS.register("counts_but_has_no_value")
+class CountsButHasNoValue(ClassyMeter):
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+    def update(self, model_output, target):
+        pass
+
+    def reset(self):
+        pass
+
+
+@COLLATORS.register("returns_the_samples")
+def returns_the_samples(batch):
+    return list(batch)
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_losses_and_meters(tmp_path_factory) -> Path:
+    module = tmp_path_factory.mktemp("bad_losses") / "bad_losses_and_meters.py"
+    module.write_text(BAD_LOSSES_AND_METERS)
+    return module
+
+
+@pytest.mark.parametrize("args, text", [
+    (["config.LOSS.name=returns_a_float"],
+     "error: loss 'returns_a_float' (config.LOSS.name) ({m} line 7) returned float from forward; a loss returns a "
+     "tensor of one value"),
+    (["config.LOSS.name=returns_per_row_losses"],
+     "error: loss 'returns_per_row_losses' (config.LOSS.name) ({m} line 17) returned a tensor of shape [16] from "
+     "forward; a loss returns a tensor of one value"),
+    (["config.LOSS.name=takes_a_margin", "+config.LOSS.takes_a_margin.margn=2"],
+     "error: loss 'takes_a_margin' (config.LOSS.takes_a_margin) ({m} line 23) cannot be built from its options "
+     "{{'margn': 2}}: TakesAMargin.__init__() got an unexpected keyword argument 'margn'; accepted: margin"),
+    (["config.METERS.names=[counts_but_has_no_value]"],
+     "error: meter 'counts_but_has_no_value' (config.METERS.names) ({m} line 33) lacks value, name, "
+     "get_classy_state, set_classy_state; a meter has update(model_output, target), reset()"),
+    (["config.DATA.TRAIN.COLLATE_FUNCTION=returns_the_samples"],
+     "error: collator 'returns_the_samples' (config.DATA.TRAIN.COLLATE_FUNCTION) ({m} line 46) returned list; a "
+     "collator returns a dict with 'data'"),
+], ids=["loss-returns-a-float", "loss-returns-per-row-losses", "loss-rejects-its-options", "meter-without-value",
+        "collator-returns-a-list"])
+def test_a_loss_meter_or_collator_of_your_own_that_breaks_its_contract_is_one_line(tmp_path, capsys, bad_losses_and_meters,
+                                                                          args, text):
+    """A loss that returns a float (was: AttributeError 'float' has no attribute 'detach') or a
+    vector (a reshape RuntimeError in the metrics hook), a loss whose constructor rejects its
+    config options, a meter without value (an AttributeError at the first phase's end), and a
+    collator that returns a list (an AttributeError traceback before launch) are one line naming
+    the part, its key, file and line, exit 2."""
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+                                   f"config.USER_MODULES=[{bad_losses_and_meters}]", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(text.format(m=bad_losses_and_meters)), err
+
+
 def test_a_last_batch_of_one_sample_under_batchnorm_is_one_line_with_the_fix(tmp_path, capsys):
     """33 samples in batches of 16 leave a last batch of 1, which BatchNorm cannot train on:
     one line with the arithmetic and DROP_LAST, exit 2 (was a ValueError traceback). A head's

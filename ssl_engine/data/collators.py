@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import default_collate as _torch_default_collate
 
 from ssl_engine.errors import UserError
-from ssl_engine.registry import COLLATORS
+from ssl_engine.registry import COLLATORS, part_origin
 
 SAMPLE_KEYS = ("data", "label", "data_valid", "data_idx")
 _SAMPLE_KEY_SET = frozenset(SAMPLE_KEYS)
@@ -222,21 +222,36 @@ def build_collator(name: str, params: Optional[Dict[str, Any]] = None, split: st
                 f"config.DATA.{split}.COLLATE_FUNCTION_PARAMS {params!r} do not fit collator {name!r}: {exc}"
             ) from exc
         fn = functools.partial(fn, **params)
-    return fn if split == "<split>" else _SplitCollator(fn, split)
+    return fn if split == "<split>" else _SplitCollator(fn, split, name)
 
 
 class _SplitCollator:
     """A split's collator: its errors name that split's keys (``config.DATA.TEST.TRANSFORMS``)
-    where the collator, shared by the splits, can only write ``config.DATA.<split>``."""
+    where the collator, shared by the splits, can only write ``config.DATA.<split>``; a batch
+    that is not a dict with ``data`` (a collator of the user's that returns a list) is an error
+    naming the collator, not a KeyError or AttributeError in the train step."""
 
-    def __init__(self, fn: Callable[[List[Dict[str, Any]]], Dict[str, Any]], split: str) -> None:
+    def __init__(self, fn: Callable[[List[Dict[str, Any]]], Dict[str, Any]], split: str, name: str = "") -> None:
         self.fn = fn
         self.split = split
+        self.name = name
 
     def __call__(self, batch: List[Dict[str, Any]]) -> Dict[str, Any]:
         try:
-            return self.fn(batch)
+            out = self.fn(batch)
         except UserError as e:  # no cost until raised (python >= 3.11)
             if "config.DATA.<split>." not in str(e):
                 raise
             raise UserError(str(e).replace("config.DATA.<split>.", f"config.DATA.{self.split}.")) from None
+        if not isinstance(out, dict) or "data" not in out:
+            raise self._bad_batch(out)
+        return out
+
+    def _bad_batch(self, out: Any) -> UserError:
+        got = f"a dict with keys {sorted(map(str, out))}" if isinstance(out, dict) else type(out).__name__
+        fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+        return UserError(
+            f"collator {self.name!r} (config.DATA.{self.split}.COLLATE_FUNCTION) {part_origin(fn)} returned {got}; a "
+            f"collator returns a dict with 'data' (a list with one batch tensor per input) and 'label' (a list of "
+            f"label tensors), as default_collate does"
+        )

@@ -16,7 +16,7 @@ from ssl_engine.losses.moco_loss import MoCoLoss
 from ssl_engine.losses.multicrop_simclr_info_nce import MultiCropSimclrInfoNCELoss
 from ssl_engine.losses.simclr_info_nce import SimclrInfoNCELoss
 from ssl_engine.losses.swav_loss import SwAVLoss, sinkhorn_knopp
-from ssl_engine.registry import LOSSES
+from ssl_engine.registry import LOSSES, build_from_config
 
 
 def build_loss(loss_cfg: AttrDict) -> ClassyLoss:
@@ -27,7 +27,8 @@ def build_loss(loss_cfg: AttrDict) -> ClassyLoss:
     name = loss_cfg.get("name", "CrossEntropyLoss")
     loss_cls = LOSSES.get(name)
     sub = loss_cfg.get(name) or {}
-    return loss_cls.from_config(sub if isinstance(sub, AttrDict) else AttrDict(sub))
+    options = sub if isinstance(sub, AttrDict) else AttrDict(sub)
+    return build_from_config("loss", name, f"config.LOSS.{name}", loss_cls, options)
 
 
 __all__ = [

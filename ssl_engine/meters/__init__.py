@@ -17,7 +17,7 @@ from ssl_engine.meters.topk_list_meter import (
     RecallAtKListMeter,
     TopKListMeter,
 )
-from ssl_engine.registry import METERS
+from ssl_engine.registry import METERS, build_from_config, part_origin
 
 
 def meter_names(meters_config: AttrDict) -> List[str]:
@@ -39,8 +39,37 @@ def build_meters(meters_config: AttrDict) -> List[ClassyMeter]:
     for name in meter_names(meters_config):
         meter_cls = METERS.get(name)
         sub = meters_config.get(name) or {}
-        meters.append(meter_cls.from_config(sub if isinstance(sub, AttrDict) else AttrDict(sub)))
+        options = sub if isinstance(sub, AttrDict) else AttrDict(sub)
+        meter = build_from_config("meter", name, f"config.METERS.{name}", meter_cls, options)
+        check_meter_methods(meter, name)
+        meters.append(meter)
     return meters
+
+
+# what the engine reads of a meter: each must be the meter's own (ClassyMeter's raise NotImplementedError)
+METER_ATTRIBUTES = ("update", "reset", "value", "name", "sync_state", "get_classy_state", "set_classy_state")
+
+
+def check_meter_methods(meter: Any, name: str) -> None:
+    """A meter of the user's that lacks what the engine calls (or leaves ClassyMeter's
+    NotImplementedError in place) is a UserError naming it and what it lacks, before any phase
+    has run, not an AttributeError at the end of the first phase. ``sync_state`` may be
+    ClassyMeter's (it does nothing: the meter then reports each rank's own values)."""
+    import inspect
+
+    missing = []
+    for attr in METER_ATTRIBUTES:
+        found = inspect.getattr_static(meter, attr, None)
+        if found is None:
+            missing.append(attr)
+        elif attr != "sync_state" and found is ClassyMeter.__dict__.get(attr):
+            missing.append(attr)
+    if missing:
+        raise UserError(
+            f"meter {name!r} (config.METERS.names) {part_origin(type(meter))} lacks {', '.join(missing)}; a meter "
+            f"has update(model_output, target), reset(), the properties value and name, sync_state(), "
+            f"get_classy_state() and set_classy_state(state) (subclass classy_vision's ClassyMeter)"
+        )
 
 
 def check_meters_fit_model(meters: List[ClassyMeter], model: Any) -> None:

@@ -29,7 +29,7 @@ from ssl_engine.errors import UserError
 from ssl_engine.models.param_names import match_params, no_such_params
 from ssl_engine.config.infer import feature_output_names
 from ssl_engine.models.pooling import POOL_OPS_KEY, parse_feat_pool_ops_map, pooled_positions
-from ssl_engine.registry import HEADS, TRUNKS, accepted_params
+from ssl_engine.registry import HEADS, TRUNKS, accepted_params, part_origin
 
 # what a torch.nn pool op raises on a feature map it does not fit: a kernel larger than the map
 # (RuntimeError), too few dimensions (ValueError), a bad argument (TypeError), a dim out of range
@@ -70,15 +70,6 @@ def build_trunk(model_config: AttrDict) -> nn.Module:
     except ValueError:  # no signature to read (a builtin): the call says what is wrong
         pass
     return trunk_cls(model_config, name)
-
-
-def part_origin(obj: Any) -> str:
-    """'(file.py line N)': where a registered class or function is defined, for errors about a
-    part of the user's; empty when that is unknown."""
-    try:
-        return f"({inspect.getsourcefile(obj)} line {inspect.getsourcelines(obj)[1]})"
-    except (TypeError, OSError):
-        return ""
 
 
 def bad_trunk_output(trunk: nn.Module, name: str, out: Any) -> UserError:

@@ -13,7 +13,7 @@ import torch
 
 from ssl_engine.errors import NonFiniteLossError, UserError
 from ssl_engine.models.label_range import explain_label_error
-from ssl_engine.registry import TRAIN_STEPS
+from ssl_engine.registry import TRAIN_STEPS, part_origin
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -303,7 +303,20 @@ def _forward_loss(
         # only the pre-launch check of the dataset's labels prevents (models/label_range.py)
         explain_label_error(task, output, target, task.loss)
         raise
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise bad_loss_output(task, loss)
     return output, loss, per_row, logged
+
+
+def bad_loss_output(task: Any, loss: Any) -> UserError:
+    """The error for a loss whose forward returned something other than a tensor of one value
+    (a python float, which cannot be back-propagated; a per-row vector; None)."""
+    got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    name = task.config.LOSS.get("name", "") if hasattr(task, "config") else ""
+    return UserError(
+        f"loss {name!r} (config.LOSS.name) {part_origin(type(task.loss))} returned {got} from forward; a loss "
+        f"returns a tensor of one value, the batch's loss (e.g. per_row_losses.mean())"
+    )
 
 
 def explain_one_sample_batch(task: Any, inputs: Any, error: ValueError) -> None:

@@ -747,6 +747,12 @@ class ReturnsNothing(ReturnsATensor):
 class TakesOnlyTheConfig(nn.Module):
     def __init__(self, model_config):
         super().__init__()
+
+
+@TRUNKS.register("ignores_out_feat_keys")
+class IgnoresOutFeatKeys(ReturnsATensor):
+    def forward(self, x, out_feat_keys=None):
+        return [self.fc(x.flatten(1))]
 """
 
 
@@ -776,6 +782,24 @@ def test_a_trunk_of_your_own_that_breaks_its_contract_is_one_line_before_launch(
     assert err.startswith(f"error: trunk {name!r} (config.MODEL.TRUNK.NAME) ({bad_trunks} line {line}) "), err
     assert what in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_features_of_layers_a_trunk_of_your_own_does_not_return_are_one_line(tmp_path, capsys, bad_trunks):
+    """An extraction that maps two layers of a trunk that returns one tensor whatever out_feat_keys
+    asks for wrote the first layer's features only and exited 0; it is one line, exit 2."""
+    capsys.readouterr()
+    code = main_in_process(BASE + [
+        f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{bad_trunks}]", "--engine=extract_features",
+        "config.MODEL.TRUNK.NAME=ignores_out_feat_keys", "config.MODEL.FEATURE_EVAL_SETTINGS.EVAL_MODE_ON=true",
+        "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP=[[fc,[Identity,[]]],[fc2,[Identity,[]]]]",
+        "config.MODEL.HEAD.PARAMS=[]", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == (
+        f"error: trunk 'ignores_out_feat_keys' (config.MODEL.TRUNK.NAME) ({bad_trunks} line 28) returned 1 feature tensor "
+        "for the 2 layers asked for in out_feat_keys (fc, fc2, from config.MODEL.FEATURE_EVAL_SETTINGS."
+        "LINEAR_EVAL_FEAT_POOL_OPS_MAP); a trunk returns one tensor per name in out_feat_keys, in that order"), err
+    assert not list((tmp_path / "run").glob("*.npy"))
 
 
 BAD_LOSSES_AND_METERS = """

@@ -377,6 +377,13 @@ class SSLModel(nn.Module):
             out = self.trunk(x, layers)
         if not isinstance(out, (list, tuple)) or not out or not isinstance(out[0], torch.Tensor):
             raise bad_trunk_output(self.trunk, self.trunk_name, out)
+        if layers and len(out) != len(layers):
+            raise UserError(
+                f"trunk {self.trunk_name!r} (config.MODEL.TRUNK.NAME) {part_origin(type(self.trunk))} returned "
+                f"{len(out)} feature tensor{'s' if len(out) != 1 else ''} for the {len(layers)} layers asked for in "
+                f"out_feat_keys ({', '.join(map(str, layers))}, from {POOL_OPS_KEY}); a trunk returns one tensor per "
+                f"name in out_feat_keys, in that order"
+            )
         return out
 
     def _pooled_features(self, batch: Batch, flatten: bool) -> List[torch.Tensor]:

@@ -26,6 +26,7 @@ import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+import collections
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -759,6 +760,32 @@ def _data_globals() -> List[Any]:
         from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
     numbers = (np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64)
     return [_reconstruct, scalar, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in numbers), argparse.Namespace]
+
+
+def unloadable_value(state: Any, path: str = "") -> Optional[Tuple[str, str]]:
+    """(where, type name) of the first value in ``state`` that :func:`load_checkpoint` would
+    refuse (an object other than a tensor, a number, a string, a numeric numpy array or scalar,
+    and lists, tuples, sets and dicts of them), or None when it all loads."""
+    import numpy as np
+
+    if isinstance(state, (torch.Tensor, bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)) \
+            or state is None:
+        return None
+    if isinstance(state, (np.ndarray, np.generic)):
+        return None if state.dtype.kind in "biuf" else (path or "the state", f"numpy {state.dtype} value")
+    if type(state) in (dict, collections.OrderedDict):
+        for key, value in state.items():
+            found = unloadable_value(key, f"{path} (a key)") or unloadable_value(value, f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(state, (list, tuple, set)) and type(state) in (list, tuple, set):
+        for i, value in enumerate(state):
+            found = unloadable_value(value, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return (path or "the state", type(state).__name__)
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:

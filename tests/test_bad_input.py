@@ -802,6 +802,76 @@ def test_features_of_layers_a_trunk_of_your_own_does_not_return_are_one_line(tmp
     assert not list((tmp_path / "run").glob("*.npy"))
 
 
+CLASS_NAME_LABELS = """
+from PIL import Image
+from ssl_engine.registry import DATA_SOURCES
+
+
+@DATA_SOURCES.register("names_its_classes")
+class NamesItsClasses:
+    def __init__(self, cfg, path, split, source_index):
+        pass
+
+    def __len__(self):
+        return 40
+
+    def get(self, idx):
+        return Image.new("RGB", (32, 32))
+
+    def labels(self):
+        return ["cat", "dog"] * 20
+"""
+
+
+def test_a_data_source_whose_labels_are_class_names_is_one_line(tmp_path, capsys):
+    """labels() that gives strings (was: a ValueError traceback from a loader at the first batch)
+    is one line naming the label source, the class's file and line and a value, exit 2."""
+    module = tmp_path / "class_name_labels.py"
+    module.write_text(CLASS_NAME_LABELS)
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{module}]",
+                                   "config.DATA.TRAIN.DATA_SOURCES=[names_its_classes]", "config.DATA.TRAIN.DATA_PATHS=[x]",
+                                   "config.DATA.TRAIN.LABEL_SOURCES=[names_its_classes]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == (f"error: config.DATA.TRAIN.LABEL_SOURCES[0] (names_its_classes): labels() of NamesItsClasses ({module} "
+                   "line 6) gives str values such as 'cat'; labels are one integer class index per sample (number your "
+                   "class names 0, 1, ...)"), err
+
+
+def test_a_data_source_whose_constructor_takes_other_arguments_is_one_line(tmp_path, capsys):
+    """A source class without (cfg, path, split, source_index) (was: a TypeError traceback before
+    launch, exit 1) is one line naming its key, its file and line, exit 2."""
+    module = tmp_path / "two_argument_source.py"
+    module.write_text("from ssl_engine.registry import DATA_SOURCES\n\n\n@DATA_SOURCES.register('takes_a_path')\n"
+                      "class TakesAPath:\n    def __init__(self, path):\n        pass\n")
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{module}]",
+                                   "config.DATA.TRAIN.DATA_SOURCES=[takes_a_path]", "config.DATA.TRAIN.DATA_PATHS=[x]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == (f"error: config.DATA.TRAIN.DATA_SOURCES[0]: data source 'takes_a_path' ({module} line 4) cannot be "
+                   "built as TakesAPath(cfg, path, split, source_index): too many positional arguments; a data "
+                   "source's constructor takes those four"), err
+
+
+def test_a_train_step_that_is_not_step_of_task_is_one_line_before_launch(tmp_path, capsys):
+    """A train step that takes more than the task (was: a TypeError traceback at the first step,
+    exit 1) is one line naming it, its file and line, exit 2."""
+    module = tmp_path / "two_argument_step.py"
+    module.write_text("from ssl_engine.registry import TRAIN_STEPS\n\n\n@TRAIN_STEPS.register('step_with_a_scale')\n"
+                      "def step_with_a_scale(task, scale):\n    pass\n")
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{module}]",
+                                   "config.TRAINER.TRAIN_STEP_NAME=step_with_a_scale"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == (f"error: train step 'step_with_a_scale' (config.TRAINER.TRAIN_STEP_NAME) ({module} line 4) cannot be "
+                   "called as step_with_a_scale(task): missing a required argument: 'scale'; a train step takes the "
+                   "task alone"), err
+    assert not (tmp_path / "run").exists()
+
+
 BAD_LOSSES_AND_METERS = """
 from classy_vision.losses import ClassyLoss
 from classy_vision.meters import ClassyMeter

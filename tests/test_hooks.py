@@ -807,6 +807,49 @@ def tool_args(tiny_yaml: Path, folder: Path, *extra: str) -> List[str]:
     return [f"config={tiny_yaml}", f"config.CHECKPOINT.DIR={folder}", *extra]
 
 
+UNLOADABLE_STATE_HOOK = '''
+from ssl_engine.hooks import SSLHook
+from ssl_engine.registry import HOOKS
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+
+@HOOKS.register("KeepsAnObject")
+class KeepsAnObject(SSLHook):
+    def __init__(self):
+        super().__init__()
+        self.counter = Counter()
+
+    def on_step(self, task):
+        self.counter.n += 1
+
+    def get_classy_state(self):
+        return {"counter": self.counter}
+
+    def set_classy_state(self, state):
+        self.counter = state["counter"]
+'''
+
+
+def test_a_hook_state_no_checkpoint_can_load_is_one_line_and_no_checkpoint(tiny_yaml: Path, tmp_path: Path) -> None:
+    """A hook whose state holds an object of the user's class: its checkpoints were written and
+    the run exited 0, and every resume refused them all (loading would run code). It is one line
+    naming the hook, where it is defined and the value, exit 2, and no checkpoint is written."""
+    (tmp_path / "state_hook_mod.py").write_text(UNLOADABLE_STATE_HOOK)
+    folder = tmp_path / "run"
+    r = run_tool(tool_args(tiny_yaml, folder, f"config.USER_MODULES=[{tmp_path / 'state_hook_mod.py'}]",
+                           "config.HOOKS.CUSTOM=[{name: KeepsAnObject}]"))
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert err == (f"error: hook 'KeepsAnObject' ({tmp_path / 'state_hook_mod.py'} line 11) get_classy_state() holds a "
+                   "Counter at ['counter']; a part's state goes into checkpoints, which load without running code: "
+                   "give tensors, numbers, strings, numeric numpy arrays and lists, tuples and dicts of them"), err
+    assert not list(folder.glob("*.torch"))
+
+
 @pytest.mark.slow
 def test_hook_state_survives_resume(tiny_yaml: Path, tmp_path: Path) -> None:
     """A run resumed from the checkpoint of its second train phase (a crash before the last test

@@ -873,6 +873,11 @@ def check_registered_names(cfg: AttrDict) -> None:
             f"this config names {len(keys_of)} parts that are not registered: {parts}; {known} "
             f"(your own parts are registered by the modules in config.USER_MODULES)"
         )
+    step = ((cfg.get("TRAINER") or {}).get("TRAIN_STEP_NAME"))
+    if isinstance(step, str) and step:
+        from ssl_engine.train_steps import train_step_of
+
+        train_step_of(step)  # one that is not step(task)
 
 
 def _vissl_parts_lacking(merged: Dict[str, Any]) -> List[str]:

@@ -427,6 +427,27 @@ def _data_limit_subset(
     return np.sort(np.asarray(taken, dtype=np.int64))
 
 
+def _check_label_values(arr: np.ndarray, origin: str, src: Any) -> None:
+    """A source's ``labels()`` gives class indices: strings (class names) or None are a UserError
+    naming the source, not a ValueError in the loader at the first batch."""
+    flat = arr.reshape(-1)
+    if arr.dtype.kind in "US":
+        found = flat[:1].tolist()
+    elif arr.dtype.kind == "O":
+        found = [next((v for v in flat if v is None or isinstance(v, (str, bytes))), ...)]
+        found = [] if found[0] is ... else found
+    else:
+        return
+    if found:
+        from ssl_engine.registry import part_origin
+
+        raise UserError(
+            f"{origin}: labels() of {type(src).__name__} {part_origin(type(src))} gives {type(found[0]).__name__} "
+            f"values such as {found[0]!r}; labels are one integer class index per sample (number your class names "
+            f"0, 1, ...)"
+        )
+
+
 def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: List[Any], n: int) -> List[np.ndarray]:
     label_names = list(scfg.get("LABEL_SOURCES", []) or [])
     label_paths = normalize_paths(scfg.get("LABEL_PATHS", []), split, "LABEL_PATHS")
@@ -450,6 +471,7 @@ def _label_arrays(cfg: Any, scfg: Any, split: str, names: List[str], sources: Li
                 raise UserError(f"{where}: data source {name!r} provides no labels; use a source that has labels")
             arr = np.asarray(src.labels())
             origin = f"{where} ({name}{', ' + repr(lpath) if lpath else ''})"
+            _check_label_values(arr, origin, src)
             if name == "disk_folder" and split == "TEST" and getattr(src, "classes", None) is not None:
                 arr = _number_as_training(cfg, j, list(src.classes), arr, getattr(src, "root", lpath))
         if len(arr) != n:

@@ -19,7 +19,7 @@ from ssl_engine import distributed as du
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.errors import CheckpointError, UserError, first_few
 from ssl_engine.hooks.base import EVENTS, order_hooks
-from ssl_engine.registry import TASKS, TRAIN_STEPS
+from ssl_engine.registry import TASKS
 from ssl_engine.resume_state import WRITTEN_BY_VISSL
 from ssl_engine.rng import get_rng_state, set_rng_state
 
@@ -127,7 +127,9 @@ class SelfSupervisionTask(ClassyTask):
         self.data_iterator: Any = None
         self.grad_scaler: Optional[torch.amp.GradScaler] = None
         self.amp_dtype: Optional[torch.dtype] = None
-        self.train_step_fn: Callable[["SelfSupervisionTask"], None] = TRAIN_STEPS.get(config.TRAINER.TRAIN_STEP_NAME)
+        from ssl_engine.train_steps import train_step_of
+
+        self.train_step_fn: Callable[["SelfSupervisionTask"], None] = train_step_of(config.TRAINER.TRAIN_STEP_NAME)
         self.checkpoint_folder = str(config.CHECKPOINT.DIR)
         self.last_batch: Any = None
         self.last_model_output: Any = None
@@ -524,6 +526,24 @@ class SelfSupervisionTask(ClassyTask):
             out.append((name if seen[name] == 1 else f"{name}#{seen[name] - 1}", h))
         return out
 
+    def _check_part_states(self, state: Dict[str, Any]) -> None:
+        """A hook or meter whose get_classy_state holds an object that a checkpoint cannot load
+        without running code (a user's class, a lambda) is a UserError naming it, before any
+        checkpoint is written: the checkpoints would be refused by every resume."""
+        from ssl_engine.checkpoint import unloadable_value
+        from ssl_engine.registry import part_origin
+
+        parts = [(f"hook {key!r}", h, state["hooks"].get(key)) for key, h in self._hook_keys()]
+        parts += [(f"meter {type(m).__name__!r}", m, s) for m, s in zip(self.meters, state["meters"])]
+        for what, part, part_state in parts:
+            found = unloadable_value(part_state)
+            if found is not None:
+                raise UserError(
+                    f"{what} {part_origin(type(part))} get_classy_state() holds a {found[1]} at {found[0]}; a part's "
+                    f"state goes into checkpoints, which load without running code: give tensors, numbers, strings, "
+                    f"numeric numpy arrays and lists, tuples and dicts of them"
+                )
+
     def _rank_local_state(self) -> Dict[str, Any]:
         """What differs between ranks within a phase and must return to each rank on resume:
         the meters' counts (summed over ranks only at the phase end) and the state of hooks
@@ -714,6 +734,7 @@ class SelfSupervisionTask(ClassyTask):
         }
         if self.world_size > 1:
             state["rank_states"] = [g["local"] for g in gathered]
+        self._check_part_states(state)
         if deep_copy:
             import copy
 

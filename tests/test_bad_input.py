@@ -855,6 +855,42 @@ def test_a_data_source_whose_constructor_takes_other_arguments_is_one_line(tmp_p
                    "source's constructor takes those four"), err
 
 
+PATH_SOURCE = """
+from ssl_engine.registry import DATA_SOURCES
+
+
+@DATA_SOURCES.register("gives_paths")
+class GivesPaths:
+    def __init__(self, cfg, path, split, source_index):
+        pass
+
+    def __len__(self):
+        return 40
+
+    def get(self, idx):
+        return f"/data/img{idx}.png"
+"""
+
+
+@pytest.mark.parametrize("transforms", ["[]", "[{name:RandomResizedCrop,size:32},{name:ToTensor}]"])
+def test_a_data_source_whose_get_returns_no_image_is_one_line_naming_it(tmp_path, capsys, transforms):
+    """get() that returns a path string was reported as the first transform's error ("check its
+    settings") or, with no transforms, as a TRANSFORMS list that does not end in ToTensor; the
+    line names the data source, its file and line, and what get returned, exit 2."""
+    module = tmp_path / f"path_source_{len(transforms)}.py"
+    module.write_text(PATH_SOURCE.replace("gives_paths", f"gives_paths_{len(transforms)}"))
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{module}]",
+                                   f"config.DATA.TRAIN.DATA_SOURCES=[gives_paths_{len(transforms)}]",
+                                   "config.DATA.TRAIN.DATA_PATHS=[x]", "config.DATA.TRAIN.LABEL_TYPE=zero",
+                                   "config.DATA.TRAIN.LABEL_SOURCES=[]", f"config.DATA.TRAIN.TRANSFORMS={transforms}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: config.DATA.TRAIN.DATA_SOURCES[0]: data source 'gives_paths_{len(transforms)}' "
+                          f"({module} line 5) returned a str from get("), err
+    assert err.endswith("get returns the sample's image (a PIL image, or a tensor when no transform needs an image)"), err
+
+
 def test_a_train_step_that_is_not_step_of_task_is_one_line_before_launch(tmp_path, capsys):
     """A train step that takes more than the task (was: a TypeError traceback at the first step,
     exit 1) is one line naming it, its file and line, exit 2."""

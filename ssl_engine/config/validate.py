@@ -1222,12 +1222,43 @@ def first_samples(datasets: Dict[str, Any]) -> Dict[str, Any]:
     for split, dataset in datasets.items():
         try:
             if len(dataset):
+                check_source_entries(dataset, split)
                 samples[split] = dataset[0]
         except UserError:
             raise
         except Exception:  # noqa: BLE001
             continue
     return samples
+
+
+def check_source_entries(dataset: Any, split: str) -> None:
+    """Each data source's ``get`` of the split's first sample gives an image (a PIL image, or a
+    tensor or array when no transform needs an image): anything else (a path string, None) is a
+    UserError naming the source, not the first transform's or the collator's error, which would
+    blame their settings. A ``get`` that raises is left to the run's own reading of the sample."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from ssl_engine.registry import part_origin
+
+    sources = list(getattr(dataset, "sources", []) or [])
+    names = list(getattr(dataset, "source_names", []) or [])
+    index_of = getattr(dataset, "source_index", None)
+    if not sources or not callable(index_of):
+        return
+    for j, src in enumerate(sources):
+        try:
+            entry = src.get(index_of(0))
+        except Exception:  # noqa: BLE001 - an unreadable image and the like: the sample's own reading says it
+            continue
+        if not isinstance(entry, (Image.Image, torch.Tensor, np.ndarray)):
+            name = names[j] if j < len(names) else type(src).__name__
+            raise UserError(
+                f"config.DATA.{split}.DATA_SOURCES[{j}]: data source {name!r} {part_origin(type(src))} returned a "
+                f"{type(entry).__name__} from get({index_of(0)}); get returns the sample's image (a PIL image, or a "
+                f"tensor when no transform needs an image)"
+            )
 
 
 def check_samples_batch(samples: Dict[str, Any], loaders: Dict[str, Any]) -> Dict[str, Any]:

@@ -850,6 +850,26 @@ def test_a_hook_state_no_checkpoint_can_load_is_one_line_and_no_checkpoint(tiny_
     assert not list(folder.glob("*.torch"))
 
 
+def test_a_hook_that_saves_its_state_but_cannot_restore_it_is_refused_before_launch(tiny_yaml: Path,
+                                                                                    tmp_path: Path) -> None:
+    """get_classy_state without set_classy_state: the base class's setter kept the checkpoint's
+    state apart from the hook's attributes, so a resumed run silently started the hook over."""
+    (tmp_path / "half_state_mod.py").write_text(
+        "from ssl_engine.hooks import SSLHook\nfrom ssl_engine.registry import HOOKS\n\n\n"
+        "@HOOKS.register('SavesOnly')\nclass SavesOnly(SSLHook):\n    steps = 0\n\n"
+        "    def on_step(self, task):\n        self.steps += 1\n\n"
+        "    def get_classy_state(self):\n        return {'steps': self.steps}\n")
+    folder = tmp_path / "run"
+    r = run_tool(tool_args(tiny_yaml, folder, f"config.USER_MODULES=[{tmp_path / 'half_state_mod.py'}]",
+                           "config.HOOKS.CUSTOM=[{name: SavesOnly}]"))
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert err == (f"error: config.HOOKS.CUSTOM[0] hook 'SavesOnly' ({tmp_path / 'half_state_mod.py'} line 5) defines "
+                   "get_classy_state but not set_classy_state: its state would be saved in checkpoints but not "
+                   "restored on resume; define both"), err
+    assert not folder.exists()
+
+
 @pytest.mark.slow
 def test_hook_state_survives_resume(tiny_yaml: Path, tmp_path: Path) -> None:
     """A run resumed from the checkpoint of its second train phase (a crash before the last test

@@ -1367,12 +1367,39 @@ def check_custom_hooks(cfg: AttrDict) -> None:
             parse_priority(entry["priority"], f"config.HOOKS.CUSTOM[{i}].priority")
         cls = HOOKS.get(entry["name"])
         params = dict(entry.get("params") or {})
+        check_hook_state_methods(cls, f"config.HOOKS.CUSTOM[{i}]", str(entry["name"]))
         try:
             inspect.signature(cls).bind(**params)
         except TypeError as e:
             raise UserError(f"config.HOOKS.CUSTOM hook {entry['name']!r}: bad params {params}: {e}") from None
         except ValueError:
             continue  # no signature to check against
+
+
+def check_hook_state_methods(cls: Any, key: str, name: str) -> None:
+    """A hook class that defines one of get_classy_state / set_classy_state without the other
+    is a UserError: with get alone its state is saved but never put back on resume (the base
+    class's setter keeps it elsewhere), with set alone nothing of it is saved."""
+    from classy_vision.hooks.classy_hook import ClassyHook
+
+    from ssl_engine.hooks.base import SSLHook
+    from ssl_engine.registry import part_origin
+
+    def defines(attr: str) -> bool:
+        for klass in getattr(cls, "__mro__", ()):
+            if klass in (SSLHook, ClassyHook, object):
+                return False
+            if attr in vars(klass):
+                return True
+        return False
+
+    has_get, has_set = defines("get_classy_state"), defines("set_classy_state")
+    if has_get != has_set:
+        given, lacking = ("get_classy_state", "set_classy_state") if has_get else ("set_classy_state", "get_classy_state")
+        raise UserError(
+            f"{key} hook {name!r} {part_origin(cls)} defines {given} but not {lacking}: its state would "
+            f"{'be saved in checkpoints but not restored on resume' if has_get else 'never be saved'}; define both"
+        )
 
 
 def check_parts_build(cfg: AttrDict, world_size: int) -> None:

@@ -891,6 +891,29 @@ def test_a_data_source_whose_get_returns_no_image_is_one_line_naming_it(tmp_path
     assert err.endswith("get returns the sample's image (a PIL image, or a tensor when no transform needs an image)"), err
 
 
+@pytest.mark.parametrize("length, text", [
+    ("0", "error: config.DATA.TRAIN.DATA_PATHS: the TRAIN data is empty (data source 'sized_{n}' ({m} line 4) has 0 "
+          "samples)"),
+    ("None", "error: config.DATA.TRAIN.DATA_SOURCES[0]: data source 'sized_{n}' ({m} line 4) has no length "
+             "('NoneType' object cannot be interpreted as an integer); a data source's __len__ returns its number of "
+             "samples"),
+], ids=["zero", "none"])
+def test_a_data_source_of_no_samples_or_no_length_is_one_line_naming_it(tmp_path, capsys, length, text):
+    """__len__ of 0 named no source; __len__ returning None was a TypeError traceback, exit 1."""
+    n = "zero" if length == "0" else "none"
+    module = tmp_path / f"sized_source_{n}.py"
+    module.write_text(f"from ssl_engine.registry import DATA_SOURCES\n\n\n@DATA_SOURCES.register('sized_{n}')\n"
+                      f"class Sized:\n    def __init__(self, cfg, path, split, source_index):\n        pass\n\n"
+                      f"    def __len__(self):\n        return {length}\n\n    def get(self, idx):\n        return None\n")
+    capsys.readouterr()
+    code = main_in_process(BASE + [f"config.CHECKPOINT.DIR={tmp_path / 'run'}", f"config.USER_MODULES=[{module}]",
+                                   f"config.DATA.TRAIN.DATA_SOURCES=[sized_{n}]", "config.DATA.TRAIN.DATA_PATHS=[x]",
+                                   "config.DATA.TRAIN.LABEL_SOURCES=[]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == text.format(n=n, m=module), err
+
+
 def test_a_train_step_that_is_not_step_of_task_is_one_line_before_launch(tmp_path, capsys):
     """A train step that takes more than the task (was: a TypeError traceback at the first step,
     exit 1) is one line naming it, its file and line, exit 2."""

@@ -427,6 +427,19 @@ def _data_limit_subset(
     return np.sort(np.asarray(taken, dtype=np.int64))
 
 
+def _source_length(src: Any, name: str, split: str, index: int) -> int:
+    """``len(src)``; a source whose ``__len__`` is missing or gives no integer is a UserError naming it."""
+    try:
+        return len(src)
+    except TypeError as e:
+        from ssl_engine.registry import part_origin
+
+        raise UserError(
+            f"{data_key(split, 'DATA_SOURCES')}[{index}]: data source {name!r} {part_origin(type(src))} has no "
+            f"length ({e}); a data source's __len__ returns its number of samples"
+        ) from None
+
+
 def _check_label_values(arr: np.ndarray, origin: str, src: Any) -> None:
     """A source's ``labels()`` gives class indices: strings (class names) or None are a UserError
     naming the source, not a ValueError in the loader at the first batch."""
@@ -568,13 +581,16 @@ def build_dataset(cfg: Any, split: str) -> SSLDataset:
         )
     paths = normalize_paths(scfg.get("DATA_PATHS", []), split, "DATA_PATHS")
     sources = [build_source(name, cfg, source_path(paths, i), split, i) for i, name in enumerate(names)]
-    lengths = [len(s) for s in sources]
+    lengths = [_source_length(s, nm, split, i) for i, (s, nm) in enumerate(zip(sources, names))]
     if len(set(lengths)) > 1:
         detail = ", ".join(f"{nm}={ln}" for nm, ln in zip(names, lengths))
         raise UserError(f"{data_key(split, 'DATA_SOURCES')}: all sources must have the same length, got {detail}")
     n = lengths[0]
     if n == 0:
-        raise UserError(f"{data_key(split, 'DATA_PATHS')}: the {split} data is empty")
+        from ssl_engine.registry import part_origin
+
+        raise UserError(f"{data_key(split, 'DATA_PATHS')}: the {split} data is empty (data source {names[0]!r} "
+                        f"{part_origin(type(sources[0]))} has 0 samples)")
     label_type = str(scfg.get("LABEL_TYPE", "standard"))
     if label_type not in LABEL_TYPES:
         raise UserError(f"{data_key(split, 'LABEL_TYPE')} is {label_type!r}; valid: {', '.join(LABEL_TYPES)}")

@@ -1222,9 +1222,9 @@ def first_samples(datasets: Dict[str, Any]) -> Dict[str, Any]:
     for split, dataset in datasets.items():
         try:
             if len(dataset):
-                check_source_entries(dataset, split)
                 samples[split] = dataset[0]
         except UserError:
+            check_source_entries(dataset, split)  # a source that gives no image: its error, not the transform's
             raise
         except Exception:  # noqa: BLE001
             continue
@@ -1235,7 +1235,8 @@ def check_source_entries(dataset: Any, split: str) -> None:
     """Each data source's ``get`` of the split's first sample gives an image (a PIL image, or a
     tensor or array when no transform needs an image): anything else (a path string, None) is a
     UserError naming the source, not the first transform's or the collator's error, which would
-    blame their settings. A ``get`` that raises is left to the run's own reading of the sample."""
+    blame their settings. Called once that first sample has failed (it reads the sample again). A
+    ``get`` that raises is left to the run's own reading of the sample."""
     import numpy as np
     import torch
     from PIL import Image
@@ -1269,7 +1270,11 @@ def check_samples_batch(samples: Dict[str, Any], loaders: Dict[str, Any]) -> Dic
     for split, sample in samples.items():
         loader = loaders.get(split)
         if loader is not None:
-            batch = _checked(f"a batch of the {split} data", loader.collate_fn, [sample, sample])
+            try:
+                batch = _checked(f"a batch of the {split} data", loader.collate_fn, [sample, sample])
+            except UserError:
+                check_source_entries(getattr(loader, "dataset", None), split)  # no image to batch: the source's error
+                raise
             if batch is not None:
                 batches[split] = batch
     return batches

@@ -8,7 +8,7 @@ Users add their own parts with a decorator and name them in yaml::
     class MyTrunk(nn.Module): ...
 """
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from ssl_engine.errors import UserError, did_you_mean
 
@@ -34,6 +34,23 @@ def part_origin(obj: Any) -> str:
         return f"({inspect.getsourcefile(obj)} line {inspect.getsourcelines(obj)[1]})"
     except (TypeError, OSError):
         return ""
+
+
+def check_call(part: Any, args: Sequence[Any], name: str, what: str, call: str, hint: str) -> None:
+    """A UserError when ``part`` (a class or function of the user's) cannot be called with
+    ``args``, before it is: ``"{what} (file line N) cannot be {call}: {why}; {hint}"``, where
+    ``call`` holds ``{}`` for the part's name (``name`` when it has none). A part without a
+    signature to read is left to the call itself."""
+    import inspect
+
+    try:
+        inspect.signature(part).bind(*args)
+    except TypeError as e:
+        raise UserError(
+            f"{what} {part_origin(part)} cannot be {call.format(getattr(part, '__name__', name))}: {e}; {hint}"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call says what is wrong
+        pass
 
 
 def build_from_config(kind: str, name: str, key: str, cls: Any, options: Mapping[str, Any]) -> Any:

@@ -690,20 +690,10 @@ def source_path(paths: Sequence[str], i: int) -> str:
 def build_source(name: str, cfg: Any, path: str, split: str, index: int) -> Any:
     """Construct the registered source ``name`` (unknown names are a UserError from the registry;
     a class whose constructor does not take ``(cfg, path, split, source_index)`` is one naming it)."""
-    import inspect
-
-    from ssl_engine.registry import part_origin
+    from ssl_engine.registry import check_call
 
     cls = DATA_SOURCES.get(name)
-    try:
-        inspect.signature(cls).bind(cfg, path, split, index)
-    except TypeError as e:
-        raise UserError(
-            f"{data_key(split, 'DATA_SOURCES')}[{index}]: data source {name!r} {part_origin(cls)} cannot be built as "
-            f"{getattr(cls, '__name__', name)}(cfg, path, split, source_index): {e}; a data source's constructor "
-            f"takes those four"
-        ) from None
-    except ValueError:  # no signature to read: the call says what is wrong
-        pass
+    check_call(cls, (cfg, path, split, index), name, f"{data_key(split, 'DATA_SOURCES')}[{index}]: data source {name!r}",
+               "built as {}(cfg, path, split, source_index)", "a data source's constructor takes those four")
     return cls(cfg, path, split, index)
 

@@ -29,7 +29,7 @@ from ssl_engine.errors import UserError
 from ssl_engine.models.param_names import match_params, no_such_params
 from ssl_engine.config.infer import feature_output_names
 from ssl_engine.models.pooling import POOL_OPS_KEY, parse_feat_pool_ops_map, pooled_positions
-from ssl_engine.registry import HEADS, TRUNKS, accepted_params, part_origin
+from ssl_engine.registry import HEADS, TRUNKS, accepted_params, check_call, part_origin
 
 # what a torch.nn pool op raises on a feature map it does not fit: a kernel larger than the map
 # (RuntimeError), too few dimensions (ValueError), a bad argument (TypeError), a dim out of range
@@ -59,16 +59,8 @@ def build_trunk(model_config: AttrDict) -> nn.Module:
     """The trunk named by ``MODEL.TRUNK.NAME`` (default 'resnet'), built as ``cls(model_config, name)``."""
     name = (model_config.get("TRUNK", {}) or {}).get("NAME", "resnet")
     trunk_cls = TRUNKS.get(name)
-    try:
-        inspect.signature(trunk_cls).bind(model_config, name)
-    except TypeError as err:
-        raise UserError(
-            f"trunk {name!r} (config.MODEL.TRUNK.NAME) {part_origin(trunk_cls)} cannot be built as "
-            f"{getattr(trunk_cls, '__name__', name)}(model_config, model_name): {err}; a trunk's constructor takes "
-            f"the model config and its name"
-        ) from None
-    except ValueError:  # no signature to read (a builtin): the call says what is wrong
-        pass
+    check_call(trunk_cls, (model_config, name), name, f"trunk {name!r} (config.MODEL.TRUNK.NAME)",
+               "built as {}(model_config, model_name)", "a trunk's constructor takes the model config and its name")
     return trunk_cls(model_config, name)
 
 

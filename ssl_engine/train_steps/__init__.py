@@ -4,11 +4,9 @@ A train step is a function ``step(task) -> None`` registered in TRAIN_STEPS and 
 config.TRAINER.TRAIN_STEP_NAME; it raises StopIteration when the phase's data runs out.
 """
 
-import inspect
 from typing import Any, Callable
 
-from ssl_engine.errors import UserError
-from ssl_engine.registry import TRAIN_STEPS, part_origin
+from ssl_engine.registry import TRAIN_STEPS, check_call
 from ssl_engine.train_steps.standard_train_step import standard_train_step
 
 
@@ -16,15 +14,8 @@ def train_step_of(name: str) -> Callable[[Any], None]:
     """The train step registered as ``name``; one that cannot be called as ``step(task)`` (it
     takes other arguments) is a UserError naming it, before any step runs."""
     fn = TRAIN_STEPS.get(name)
-    try:
-        inspect.signature(fn).bind(None)
-    except TypeError as e:
-        raise UserError(
-            f"train step {name!r} (config.TRAINER.TRAIN_STEP_NAME) {part_origin(fn)} cannot be called as "
-            f"{getattr(fn, '__name__', name)}(task): {e}; a train step takes the task alone"
-        ) from None
-    except ValueError:  # no signature to read: the call says what is wrong
-        pass
+    check_call(fn, (None,), name, f"train step {name!r} (config.TRAINER.TRAIN_STEP_NAME)", "called as {}(task)",
+               "a train step takes the task alone")
     return fn
 
 

@@ -334,6 +334,9 @@ ROWS: List[Row] = [
       ("cannot batch data entry 0: got a Image, not a tensor", "end config.DATA.TEST.TRANSFORMS with ToTensor")),
     R("bad-transform-params", ("config.DATA.TRAIN.TRANSFORMS=[{name:RandomResizedCrop,sizee:32}]",),
       ("config.DATA.TRAIN.TRANSFORMS[0]", "RandomResizedCrop", "sizee"), tool=False),
+    # VISSL's fulltune configs give Pillow's filter code (interpolation: 3); one out of range was a KeyError traceback
+    R("transform-interpolation-code", ("+config.DATA.TRAIN.TRANSFORMS.0.interpolation=9",),
+      ("config.DATA.TRAIN.TRANSFORMS[0]: unknown interpolation 9", "bicubic", "3 (bicubic)")),
     # -- model, optimizer ---------------------------------------------------------------------------
     R("head-input-dim-mismatch", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[64,10]}]]",),
       ("MODEL.HEAD.PARAMS[0]", "dims[0]=64", "gives 16 features")),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+import torchvision.transforms as T
 
 from ssl_engine.config.attr_dict import AttrDict
 from ssl_engine.data import (
@@ -698,6 +699,7 @@ def test_transforms_by_name_and_vissl_transforms() -> None:
     img = Image.new("RGB", (20, 20), (200, 30, 30))
     for spec, check in [
         ({"name": "Resize", "size": 10, "interpolation": "bicubic"}, lambda o: o.size == (10, 10)),
+        ({"name": "Resize", "size": 10, "interpolation": 3}, lambda o: o.size == (10, 10)),  # VISSL's tricks_384
         ({"name": "CenterCrop", "size": 8}, lambda o: o.size == (8, 8)),
         ({"name": "ToTensor"}, lambda o: o.shape == (3, 20, 20)),
         ({"name": "ImgReplicatePil", "num_times": 3}, lambda o: isinstance(o, list) and len(o) == 3),
@@ -715,6 +717,18 @@ def test_transforms_by_name_and_vissl_transforms() -> None:
     _, mc, _ = build_transform({"name": "ImgPilToMultiCrop", "total_num_crops": 5, "num_crops": [2, 3],
                                 "size_crops": [16, 8], "crop_scales": [[0.5, 1.0], [0.1, 0.5]]})
     assert [v.size for v in mc(img)] == [(16, 16)] * 2 + [(8, 8)] * 3
+
+
+def test_interpolation_as_a_pillow_code_is_torchvision_mode_of_that_name() -> None:
+    """VISSL's configs write Pillow's filter codes (interpolation: 3); a code torchvision has
+    no mode for is one line naming the entry, not torchvision's bare KeyError."""
+    _, t, _ = build_transform({"name": "RandomResizedCrop", "size": 8, "interpolation": 3})
+    assert t.interpolation == T.InterpolationMode.BICUBIC
+    _, t, _ = build_transform({"name": "Resize", "size": 8, "interpolation": 1})
+    assert t.interpolation == T.InterpolationMode.LANCZOS
+    for bad in (9, -1, 7):  # 7 is Pillow's MKS2021 where Pillow has it, which torchvision lacks
+        with pytest.raises(UserError, match=rf"TRANSFORMS\[0\]: unknown interpolation {bad}; valid: .*3 \(bicubic\)"):
+            build_transform({"name": "Resize", "size": 8, "interpolation": bad}, "config.DATA.TRAIN.TRANSFORMS[0]")
 
 
 def test_img_rotate_pil_rotates_by_a_drawn_quarter_turn_and_makes_it_the_label() -> None:

@@ -342,14 +342,32 @@ def _check_randaugment(params: Dict[str, Any], where: str) -> None:
 
 
 
-def _convert_param(key: str, value: Any, where: str) -> Any:
-    """Yaml-friendly parameter values: interpolation names, nested transform lists, lists as tuples."""
-    if key == "interpolation" and isinstance(value, str):
+def _interpolation(value: Any, where: str) -> Any:
+    """An ``interpolation`` option as torchvision takes it: a mode's name (``bicubic``) or, as
+    VISSL's configs write it (``interpolation: 3``), one of Pillow's integer filter codes,
+    which torchvision maps to the mode of the same name. A name or code that is neither is one
+    line naming the entry and the valid values (torchvision raises a bare KeyError for a code)."""
+    valid = ", ".join(m.name.lower() for m in T.InterpolationMode)
+    modes = {m.name for m in T.InterpolationMode}
+    codes = ", ".join(f"{int(f)} ({f.name.lower()})" for f in sorted(Image.Resampling) if f.name in modes)
+    if isinstance(value, str):
         try:
             return T.InterpolationMode[value.upper()]
         except KeyError:
-            valid = ", ".join(m.name.lower() for m in T.InterpolationMode)
             raise UserError(f"{where}: unknown interpolation {value!r}; valid: {valid}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return T.InterpolationMode[Image.Resampling(value).name]
+        except (ValueError, KeyError):
+            raise UserError(f"{where}: unknown interpolation {value!r}; valid: {valid}, or Pillow's codes "
+                            f"{codes}") from None
+    return value
+
+
+def _convert_param(key: str, value: Any, where: str) -> Any:
+    """Yaml-friendly parameter values: interpolation names and codes, nested transform lists."""
+    if key == "interpolation":
+        return _interpolation(value, where)
     if key == "transforms" and isinstance(value, (list, tuple)) and all(isinstance(v, dict) for v in value):
         return [build_transform(v, f"{where}.transforms[{i}]")[1] for i, v in enumerate(value)]
     return value

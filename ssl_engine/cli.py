@@ -179,7 +179,9 @@ def prepare_config(overrides: List[str], tool_process: bool = False,
         cfg = compose(overrides)
         start_forkserver_early(cfg)
 
-    from ssl_engine.config.validate import check_data_paths, check_registered_names, without_unextracted_splits
+    from ssl_engine.config.validate import (
+        check_data_paths, check_no_head_mapping, check_registered_names, without_unextracted_splits,
+    )
     from ssl_engine.user_modules import import_user_modules
 
     try:
@@ -196,6 +198,7 @@ def prepare_config(overrides: List[str], tool_process: bool = False,
     used = without_unextracted_splits(cfg) if checked is None else checked(cfg)  # an extraction's left-out splits are not checked
     if used is not None:
         check_registered_names(used)
+        check_no_head_mapping(used)
         check_data_paths(used)
     return cfg
 

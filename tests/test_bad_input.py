@@ -204,6 +204,10 @@ ROWS: List[Row] = [
                                          "[siamese_concat_view,{num_towers:9}]],[[mlp,{dims:[16,8]}]]]"),
       ("this config names 2 parts that are not registered", "head 'siamese_concat_view' (config.MODEL.HEAD.PARAMS[0][1][0]; one of VISSL's",
        "loss 'nce_loss_with_memory' (config.LOSS.name; one of VISSL's", "known losses: CrossEntropyLoss"), tool=False),
+    # VISSL acts on it (the head trains on res4); accepted and not acted on, the run trained on the last layer
+    R("head-mapping-not-implemented", ("config.MODEL.MULTI_INPUT_HEAD_MAPPING=[[data,[res4]]]",),
+      ("config.MODEL.MULTI_INPUT_HEAD_MAPPING=[['data', ['res4']]]", "is not implemented",
+       "~config.MODEL.MULTI_INPUT_HEAD_MAPPING")),
     # -- data ---------------------------------------------------------------------------------------
     R("missing-data-paths", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS", "disk_folder")),

@@ -955,6 +955,24 @@ def _check_registered_names(cfg: AttrDict, _lookup: Callable[[Any, str, Any], No
             raise ConfigError(f"config.HOOKS.CUSTOM[{i}].params={show_value(h['params'])} must be a mapping")
 
 
+def check_no_head_mapping(cfg: AttrDict) -> None:
+    """VISSL's MULTI_INPUT_HEAD_MAPPING sends each named input through the trunk and gives its
+    own head the trunk layers it names ([[data, [res4]]] trains the head on res4). The model
+    here has no such routing: its heads read the trunk's last layer (or the feature-eval
+    layers), so a run that took the key as accepted-but-unread would train another model than
+    the config describes. Refused (after the registry names, so a config for a method the
+    engine lacks first hears which parts it needs)."""
+    mapping = (cfg.get("MODEL") or {}).get("MULTI_INPUT_HEAD_MAPPING")
+    if mapping:
+        raise ConfigError(
+            f"config.MODEL.MULTI_INPUT_HEAD_MAPPING={show_value(mapping)}: VISSL's routing of each input to its own "
+            f"head, from the trunk layers it names, is not implemented (the heads would read the trunk's last layer "
+            f"instead); leave it empty (~config.MODEL.MULTI_INPUT_HEAD_MAPPING, which trains every head on the "
+            f"trunk's last layer), or give heads other trunk layers with "
+            f"config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP (a frozen trunk)"
+        )
+
+
 def check_data_paths(cfg: AttrDict) -> None:
     """Folders and files named in DATA_PATHS exist (checked before processes start). Every
     missing path of every split is named in the one error, not one per run."""

@@ -609,6 +609,21 @@ def test_param_groups_regularize_bn_bias_and_named():
     assert groups[0.0] == {id(net.bn.weight), id(net.bn.bias)}
 
 
+def test_single_param_group_puts_weight_decay_on_every_parameter_as_vissl():
+    """VISSL's construct_single_param_group_only: one group, OPTIMIZER.weight_decay on norm
+    weights and biases too (it was accepted and not acted on: BN and biases trained without)."""
+    net = TinyNet()
+    opt = build_optimizer(opt_cfg(regularize_bn=False, regularize_bias=False, non_regularized_parameters=["pos_embed"],
+                                  construct_single_param_group_only=True), net, 8, 1)
+    assert group_ids(opt) == {1e-4: {id(p) for p in net.parameters()}}
+    net.conv.weight.requires_grad_(False)  # frozen parameters stay out, as in every group
+    opt = build_optimizer(opt_cfg(construct_single_param_group_only=True), net, 8, 1)
+    assert group_ids(opt) == {1e-4: {id(p) for p in net.parameters()} - {id(net.conv.weight)}}
+    with pytest.raises(UserError, match=r"construct_single_param_group_only=true .*head_optimizer_params.use_different_lr"):
+        build_optimizer(opt_cfg(construct_single_param_group_only=True,
+                                head_optimizer_params={"use_different_wd": True, "weight_decay": 0.1}), net, 8, 1)
+
+
 def test_optimizer_config_errors():
     net = nn.Linear(2, 2)
     for bad in (0, -3):

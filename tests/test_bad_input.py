@@ -208,6 +208,9 @@ ROWS: List[Row] = [
     R("head-mapping-not-implemented", ("config.MODEL.MULTI_INPUT_HEAD_MAPPING=[[data,[res4]]]",),
       ("config.MODEL.MULTI_INPUT_HEAD_MAPPING=[['data', ['res4']]]", "is not implemented",
        "~config.MODEL.MULTI_INPUT_HEAD_MAPPING")),
+    R("pre-release-linear-evaluation", ("config={fx}/pre_release_linear.yaml",),
+      ("config.MODEL.FEATURE_EVAL_MODE is the feature-evaluation switch of VISSL's pre-release layout",
+       "config.MODEL.FEATURE_EVAL_SETTINGS", "config.MODEL.WEIGHTS_INIT.PARAMS_FILE", "starts from its random init")),
     # -- data ---------------------------------------------------------------------------------------
     R("missing-data-paths", ("config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", "config.DATA.TRAIN.LABEL_SOURCES=[disk_folder]"),
       ("config.DATA.TRAIN.DATA_PATHS", "disk_folder")),
@@ -504,6 +507,10 @@ def make_fixture_files(fx: Path) -> None:
         "# @package _global_\nconfig:\n  MODEL:\n    MULTI_INPUT_HEAD_MAPPING: [[patches, [flatten]], [images, [flatten]]]\n"
         "  LOSS:\n    name: nce_loss_with_memory\n    nce_loss_with_memory:\n      ignore_index: -1\n"
         "      temperature: 0.07\n"
+    )
+    (fx / "pre_release_linear.yaml").write_text(  # VISSL's other_styles/eval_resnet_final_output layout
+        "# @package _global_\nconfig:\n  MODEL:\n    FEATURE_EVAL_MODE: True\n    EVAL_FEATURES: [res5avg]\n"
+        "    PARAMS_FILE:\n      PATH: /models/rn50.torch\n"
     )
     (fx / "duplicate.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n")
     (fx / "empty").mkdir(exist_ok=True)

@@ -889,6 +889,37 @@ def test_the_pre_release_loss_section_is_refused_with_where_it_goes_and_no_drop_
     assert "NUM_DATALOADER_WORKERS" not in message  # the older worker key is read at DATA's place
 
 
+def test_the_pre_release_feature_evaluation_is_refused_with_where_it_goes_and_no_drop_advice(tmp_path):
+    """VISSL's pre-release linear evaluation (MODEL.FEATURE_EVAL_MODE, EVAL_FEATURES,
+    TRUNK.LINEAR_FEAT_POOL_OPS, PARAMS_FILE.PATH; its other_styles/eval_resnet_final_output file):
+    the error says where each goes in 0.1.6 and does not offer to drop them with ~, which would
+    train the whole model from its random init instead of evaluating the pretrained trunk."""
+    path = write_yaml(tmp_path, "old_linear.yaml", """\
+        # @package _global_
+        config:
+          MODEL:
+            FEATURE_EVAL_MODE: True
+            EVAL_FEATURES: ["res5avg"]
+            TRUNK:
+              LINEAR_FEAT_POOL_OPS: [["Identity", []]]
+            PARAMS_FILE:
+              PATH: /models/rn50.torch
+              STATE_DICT_KEY_NAME: classy_state_dict
+          OPTIMIZER:
+            momentm: 0.9
+        """)
+    with pytest.raises(ConfigError) as info:
+        compose([f"config={path}"])
+    message = str(info.value)
+    for key, goes in [("config.MODEL.FEATURE_EVAL_MODE", "config.MODEL.FEATURE_EVAL_SETTINGS"),
+                      ("config.MODEL.EVAL_FEATURES", "LINEAR_EVAL_FEAT_POOL_OPS_MAP"),
+                      ("config.MODEL.TRUNK.LINEAR_FEAT_POOL_OPS", "LINEAR_EVAL_FEAT_POOL_OPS_MAP"),
+                      ("config.MODEL.PARAMS_FILE", "config.MODEL.WEIGHTS_INIT.PARAMS_FILE")]:
+        assert f"{key} is " in message and "pre-release layout" in message and goes in message, key
+        assert f"~{key}" not in message
+    assert "~config.OPTIMIZER.momentm" in message  # a plain unknown key may still be dropped
+
+
 def test_an_older_key_override_wins_over_the_same_key_in_the_file(tmp_path, caplog):
     path = write_yaml(tmp_path, "older.yaml", "# @package _global_\nconfig:\n  PERF_STAT_FREQUENCY: 40\n")
     cfg = compose([f"config={path}", "config.PERF_STAT_FREQUENCY=7"])

@@ -521,6 +521,27 @@ PRE_RELEASE_SECTIONS = {
         "lower-case option keys (LOSS.name: simclr_info_nce_loss, LOSS.simclr_info_nce_loss.temperature, "
         "...): move it there, as without it the run trains the default loss, CrossEntropyLoss"
     ),
+    # the feature evaluation of the pre-release layout: dropped, a linear evaluation would train the
+    # whole model from its random init on the trunk's last layer
+    "config.MODEL.FEATURE_EVAL_MODE": (
+        "the feature-evaluation switch of VISSL's pre-release layout; VISSL 0.1.6 reads "
+        "config.MODEL.FEATURE_EVAL_SETTINGS (EVAL_MODE_ON: true, FREEZE_TRUNK_ONLY: true, ...): set it there, as "
+        "without it the trunk is trained, not frozen"
+    ),
+    "config.MODEL.EVAL_FEATURES": (
+        "the list of evaluated trunk layers of VISSL's pre-release layout; VISSL 0.1.6 names each with its pool op in "
+        "config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP ([[res5avg, [Identity, []]]]): set them "
+        "there, as without them the heads read the trunk's last layer"
+    ),
+    "config.MODEL.TRUNK.LINEAR_FEAT_POOL_OPS": (
+        "the list of pool ops of VISSL's pre-release layout, one per MODEL.EVAL_FEATURES layer; VISSL 0.1.6 pairs each "
+        "layer with its op in config.MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP: set them there"
+    ),
+    "config.MODEL.PARAMS_FILE": (
+        "the weights file of VISSL's pre-release layout (PATH, STATE_DICT_KEY_NAME); VISSL 0.1.6 reads "
+        "config.MODEL.WEIGHTS_INIT.PARAMS_FILE and STATE_DICT_KEY_NAME: set them there, as without them the model "
+        "starts from its random init"
+    ),
 }
 
 

@@ -344,6 +344,10 @@ ROWS: List[Row] = [
     # VISSL's fulltune configs give Pillow's filter code (interpolation: 3); one out of range was a KeyError traceback
     R("transform-interpolation-code", ("+config.DATA.TRAIN.TRANSFORMS.0.interpolation=9",),
       ("config.DATA.TRAIN.TRANSFORMS[0]: unknown interpolation 9", "bicubic", "3 (bicubic)")),
+    # a yaml list where the transform's constructor wants a tensor was an AttributeError traceback in the rank
+    R("transform-param-not-a-tensor", ("config.DATA.TRAIN.TRANSFORMS=[{name:LinearTransformation,"
+                                       "transformation_matrix:[[1]],mean_vector:[0]}]",),
+      ("config.DATA.TRAIN.TRANSFORMS[0]", "bad parameters for transform 'LinearTransformation'", "no attribute")),
     # -- model, optimizer ---------------------------------------------------------------------------
     R("head-input-dim-mismatch", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[64,10]}]]",),
       ("MODEL.HEAD.PARAMS[0]", "dims[0]=64", "gives 16 features")),

@@ -395,7 +395,9 @@ def build_transform(spec: Dict[str, Any], where: str = "transform") -> Tuple[str
         _check_randaugment(params, where)
     try:
         transform = cls(**params)
-    except (TypeError, ValueError, IndexError) as exc:  # e.g. a one-value RandomResizedCrop scale
+    except (TypeError, ValueError, IndexError, AttributeError) as exc:
+        # e.g. a one-value RandomResizedCrop scale; a yaml list where the transform wants a
+        # tensor (LinearTransformation's matrix: 'list' object has no attribute 'size')
         accepted = accepted_params(cls)
         raise UserError(f"{where}: bad parameters for transform {name!r} {params!r}: {exc}"
                         + (f"; it accepts: {', '.join(accepted)}" if accepted else "")) from exc

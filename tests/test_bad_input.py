@@ -75,6 +75,11 @@ ROWS: List[Row] = [
     R("section-given-whole-with-a-misspelt-key", ("config.OPTIMIZER={name: sgd, momentm: 0.9}",),
       ("config.OPTIMIZER={name: sgd, momentm: 0.9} holds a key config.OPTIMIZER does not have: momentm",
        "closest: momentum", "+config.OPTIMIZER.momentm=0.9"), tool=False),
+    # hydra reads {name:sgd,momentm:[1,2]} as two keys; read back as yaml it was the keys 'name:sgd' and
+    # 'momentm:[1,2]': the known key name was named as unknown, and the advice was +config.OPTIMIZER.name:sgd=null
+    R("section-given-whole-unspaced", ("config.OPTIMIZER={name:sgd,momentm:[1,2]}",),
+      ("holds a key config.OPTIMIZER does not have: momentm (closest: momentum)",
+       "add it as your own with '+config.OPTIMIZER.momentm=[1,2]'"), tool=False),
     R("unknown-key-in-yaml", ("config={fx}/unknown_key.yaml",),
       ("config.OPTIMIZER.num_epoch", "closest: config.OPTIMIZER.num_epochs")),
     R("wrong-type-int", ("config.OPTIMIZER.num_epochs=two",),

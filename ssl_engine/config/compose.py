@@ -702,20 +702,38 @@ def _explain_hydra_error(e: Exception) -> str:
 
 def _section_given_whole(section: str, value: str, known: List[str]) -> Optional[str]:
     """A section set whole on the command line (``config.OPTIMIZER={foo: 1}``) with a key it lacks:
-    name the keys, the closest known ones, and how to add them (hydra only says it cannot override)."""
+    name the keys, the closest known ones, and how to add them (hydra only says it cannot override).
+
+    The value is read back with hydra's override grammar, as hydra read it: yaml would take the
+    unspaced ``{momentm:0.9}`` for one key ``momentm:0.9`` and name a known key as unknown."""
     try:
-        given = yaml.safe_load(value)
-    except yaml.YAMLError:
+        given = _overrides_parser().parse_override(f"{section}={value}").value()
+    except Exception:  # hydra parsed it once already; anything else leaves hydra's own message
         given = None
     new = [str(k) for k in given if f"{section}.{k}" not in known] if isinstance(given, dict) else []
     if not new:
         return None
     children = [k[len(section) + 1:] for k in known if k.startswith(section + ".") and "." not in k[len(section) + 1:]]
     near = sorted({c for k in new for c in closest(k, children, n=2)})
-    adds = " ".join(f"+{section}.{k}={given[k] if isinstance(given[k], str) else json.dumps(given[k])}" for k in new)
+    adds = " ".join(_override_word(f"+{section}.{k}", given[k]) for k in new)
     return (f"{section}={value} holds {'keys' if len(new) > 1 else 'a key'} {section} does not have: "
             f"{', '.join(new)}" + (f" (closest: {', '.join(near)})" if near else "")
             + f"; fix the {'names' if len(new) > 1 else 'name'}, or add {'them' if len(new) > 1 else 'it'} as your own with {adds}")
+
+
+def _override_word(key: str, value: Any) -> str:
+    """``key=value`` as one shell word that hydra's grammar reads back as ``value`` (a string with
+    a space or a comma quoted for hydra, a list or mapping written without spaces)."""
+    if isinstance(value, str):
+        text = value
+        try:
+            if _overrides_parser().parse_override(f"{key}={value}").value() != value:
+                text = hydra_quoted(value)
+        except Exception:  # not a bare value of the grammar
+            text = hydra_quoted(value)
+    else:
+        text = json.dumps(value, separators=(",", ":"))
+    return shlex.quote(f"{key}={text}")
 
 
 def _explain_type_mismatch(e: Exception) -> Optional[str]:

@@ -70,6 +70,33 @@ TEST_CHUNK_SIZE}}.
   --debug               show the traceback of a user error (or set SSL_ENGINE_DEBUG=1)"""
 
 
+# hydra's own command-line flags (of an @hydra.main script), and what to use instead: the tools
+# compose the config with hydra's compose API, as VISSL's do, so none of them would act
+_HYDRA_FLAGS_INSTEAD = {
+    ("-m", "--multirun"): "the tool runs one config (no sweeps): run it once per value, each with its own "
+                          "config.CHECKPOINT.DIR",
+    ("-c", "--cfg", "--resolve"): "config.VERBOSE=true logs the composed config at start, and a run writes it "
+                                  "to config.CHECKPOINT.DIR/train_config.yaml",
+    ("-i", "--info"): "config.VERBOSE=true logs the composed config at start (see --help for the config search path)",
+    ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"):
+        "name the experiment with config=NAME or config=/path/to/file.yaml; add config folders with "
+        "$SSL_ENGINE_CONFIG_DIR",
+    ("-p", "--package"): "experiment files start with '# @package _global_' and put options under config:",
+    ("-r", "--run", "--hydra-help", "-sc", "--shell-completion", "--experimental-rerun"):
+        "see --help for what the tool takes (config=CHECKPOINT.DIR/train_config.yaml runs a run's config again)",
+}
+
+
+def _hydra_flag_line(arg: str) -> Optional[str]:
+    """The one line for hydra's flag ``arg`` (``-m``, ``--cfg=job``, ...), or None for another option."""
+    flag = arg.split("=", 1)[0]
+    for flags, instead in _HYDRA_FLAGS_INSTEAD.items():
+        if flag in flags:
+            return (f"{flag} is a flag of hydra's own command line, which the tool does not have (it composes "
+                    f"the config with hydra's compose API, not @hydra.main); {instead}")
+    return None
+
+
 def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = True) -> Tuple[List[str], int, bool]:
     """(hydra overrides, node_id, debug) from the command line; ``--help`` prints ``usage`` and
     exits; ``--engine=NAME`` is an option only where ``engine_option`` (a tool that runs one
@@ -89,6 +116,9 @@ def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = T
             print(usage)
             sys.exit(0)
         elif a.startswith("-"):
+            hydra_flag = _hydra_flag_line(a)
+            if hydra_flag is not None:
+                raise UserError(hydra_flag)
             options = "--engine=NAME, --debug, --help" if engine_option else "--debug, --help"
             raise UserError(f"unknown option {a!r}; options are {options} (see --help)")
         else:

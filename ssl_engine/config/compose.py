@@ -213,9 +213,10 @@ def hydra_quoted(text: str) -> str:
 
 
 def _check_override_grammar(item: str) -> None:
-    """Parse one override with hydra's grammar, so that a bad one is named in the error."""
+    """Parse one override with hydra's grammar, so that a bad one is named in the error, and
+    refuse a sweep (``key=1,2``, ``key=choice(...)``, ``range``, ``interval``, ``glob``)."""
     try:
-        _overrides_parser().parse_override(item)
+        override = _overrides_parser().parse_override(item)
     except Exception as e:  # hydra raises HydraException; anything else is as much the override's fault
         why = " ".join(str(e).split()) or type(e).__name__
         key, _, value = item.partition("=")
@@ -248,6 +249,23 @@ def _check_override_grammar(item: str) -> None:
             f"override {item!r} cannot be parsed ({why}); quote lists and mappings as one shell word, "
             f"e.g. 'config.MODEL.HEAD.PARAMS=[[mlp,{{dims:[512,10]}}]]'"
         ) from None
+    if override.is_sweep_override():
+        _refuse_sweep(item, override)
+
+
+def _refuse_sweep(item: str, override: Any) -> None:
+    """A sweep over values is hydra's multirun, which the tool does not run (it composes one
+    config with hydra's compose API, not @hydra.main); hydra's own line advised adding
+    --multirun, which the tool refuses. ``key=1,2`` is named as what it likely meant instead:
+    a list, or a string holding a comma."""
+    key, _, value = item.partition("=")
+    once = "the tool runs one config (no hydra multirun): run it once per value, each with its own config.CHECKPOINT.DIR"
+    if getattr(override.value(), "simple_form", False):
+        as_list = shlex.quote(f"{key}=[{value}]")
+        as_string = shlex.quote(f"{key}={hydra_quoted(value)}")
+        raise ConfigError(f"override {item!r} is a sweep over {value.count(',') + 1} values; for a list write "
+                          f"{as_list}, for a string holding a comma {as_string}; {once}")
+    raise ConfigError(f"override {item!r} is a sweep ({value.split('(', 1)[0].strip()}); {once}")
 
 
 class _StrictSafeLoader(yaml.SafeLoader):

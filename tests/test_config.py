@@ -1707,3 +1707,28 @@ def test_options_of_a_meter_no_key_names_are_reported(tmp_path, caplog):
         compose(["config=quick/linear_eval_digits"])
         compose(["config=quick/simclr_synthetic", "config.METERS.accuracy_list_meter.topk_values=[1]"])
     assert "METERS" not in caplog.text, caplog.text
+
+
+def test_an_environment_variable_given_to_an_int_key_names_how_to_read_it_as_a_number(tmp_path, monkeypatch):
+    """${oc.env:NAME} always gives text, so num_epochs=${oc.env:EPOCHS} with EPOCHS=2 was "'2' has the
+    wrong type: expected int, got string", and the nested ${oc.decode:...} that reads it as a number is
+    taken by hydra only quoted. The line says so, and the override it shows composes to the int."""
+    import shlex
+
+    from conftest import run_tool
+
+    monkeypatch.setenv("SSL_TEST_EPOCHS", "2")
+    done = run_tool([QUICK, f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
+                     "config.OPTIMIZER.num_epochs=${oc.env:SSL_TEST_EPOCHS}"], env={"SSL_TEST_EPOCHS": "2"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert "config.OPTIMIZER.num_epochs='2' has the wrong type: expected int, got string (text that reads as int" in line
+    assert not (tmp_path / "run").exists()
+    advised = shlex.split(line.split("on the command line quoted for hydra: ", 1)[1].rstrip(")"))
+    assert len(advised) == 1, line
+    cfg = compose([QUICK, advised[0].replace("NAME", "SSL_TEST_EPOCHS")])
+    assert cfg.OPTIMIZER.num_epochs == 2 and type(cfg.OPTIMIZER.num_epochs) is int
+    with pytest.raises(ConfigError) as e:  # text that does not read as the type gets no note
+        compose([QUICK, "config.OPTIMIZER.num_epochs=two"])
+    assert "reads as" not in str(e.value)

@@ -186,6 +186,22 @@ def _type_name(v: Any) -> str:
     )
 
 
+def _text_that_reads_as(path: str, value: Any, default: Any) -> str:
+    """A note for a string given where an int or a bool belongs that reads as one (``'8'``,
+    ``'true'``): quoted in a yaml file, or the text of ``${oc.env:NAME}``, which omegaconf always
+    gives as a string. Says how to have the variable read as a yaml value instead."""
+    if not isinstance(value, str) or not isinstance(default, (bool, int)):
+        return ""
+    text = value.strip()
+    reads = text.lower() in ("true", "false") if isinstance(default, bool) else re.fullmatch(r"[+-]?\d+", text)
+    if not reads:  # as oc.decode reads it: true/false in any case, decimal integers
+        return ""
+    decoded = "${oc.decode:${oc.env:NAME}}"
+    return (f" (text that reads as {_type_name(default)}: quoted in a yaml file, or ${{oc.env:NAME}}, which always "
+            f"gives text; {decoded} reads the variable as a yaml value, on the command line quoted for hydra: "
+            f"\"{path}='{decoded}'\")")
+
+
 def _coerce(path: str, value: Any, default: Any, nullable: bool = False) -> Any:
     """Value converted to the default's type where that is lossless; ConfigError otherwise.
 
@@ -206,6 +222,7 @@ def _coerce(path: str, value: Any, default: Any, nullable: bool = False) -> Any:
             return value
     bad = ConfigError(
         f"{path}={show_value(value)} has the wrong type: expected {_type_name(default)}, got {_type_name(value)}"
+        + _text_that_reads_as(path, value, default)
     )
     if isinstance(default, bool):
         if isinstance(value, bool):

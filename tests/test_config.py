@@ -1732,3 +1732,17 @@ def test_an_environment_variable_given_to_an_int_key_names_how_to_read_it_as_a_n
     with pytest.raises(ConfigError) as e:  # text that does not read as the type gets no note
         compose([QUICK, "config.OPTIMIZER.num_epochs=two"])
     assert "reads as" not in str(e.value)
+
+
+def test_a_nested_interpolation_unquoted_names_the_quoting_that_composes(monkeypatch):
+    """hydra reads an unquoted ${oc.decode:${oc.env:NAME}} up to its first '}'; the line was "cannot be
+    parsed (extraneous input '}' expecting <EOF>); quote lists and mappings ...". It now shows the one
+    shell word that hydra reads, which composes to the variable's value."""
+    import shlex
+
+    monkeypatch.setenv("SSL_TEST_EPOCHS", "3")
+    with pytest.raises(ConfigError, match="hydra takes an interpolation nested in another only quoted") as e:
+        compose([QUICK, "config.OPTIMIZER.num_epochs=${oc.decode:${oc.env:SSL_TEST_EPOCHS}}"])
+    advised = shlex.split(str(e.value).split("inside the shell word: ", 1)[1])
+    assert len(advised) == 1, str(e.value)
+    assert compose([QUICK, advised[0]]).OPTIMIZER.num_epochs == 3

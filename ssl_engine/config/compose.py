@@ -232,6 +232,13 @@ def _check_override_grammar(item: str) -> None:
                 f"override {item!r} cannot be parsed: hydra does not take a value that starts with ~ unquoted; "
                 f"quote it for hydra inside the shell word ('{key}=\"{value}\"') or write $HOME instead of ~"
             ) from None
+        if value.count("${") > 1 and not value.lstrip().startswith(("[", "{", '"', "'")):
+            # hydra's grammar reads an unquoted interpolation up to its first '}': one nested in
+            # another (${oc.decode:${oc.env:NAME}}) must be quoted; quoted, it is still resolved
+            raise ConfigError(
+                f"override {item!r} cannot be parsed: hydra takes an interpolation nested in another only "
+                f"quoted; quote it for hydra inside the shell word: {shlex.quote(f'{key}={hydra_quoted(value)}')}"
+            ) from None
         odd = next((c for c in value if not c.isascii()), None)
         if odd is not None and not value.lstrip().startswith(("{", '"', "'")):
             # hydra's grammar takes a bare value (or list element) of ASCII characters only: a path

@@ -1746,3 +1746,28 @@ def test_a_nested_interpolation_unquoted_names_the_quoting_that_composes(monkeyp
     advised = shlex.split(str(e.value).split("inside the shell word: ", 1)[1])
     assert len(advised) == 1, str(e.value)
     assert compose([QUICK, advised[0]]).OPTIMIZER.num_epochs == 3
+
+
+def test_an_interpolation_naming_no_key_names_the_closest_keys_and_where_it_was_written(tmp_path):
+    """${config.OPTIMIZER.num_epoch} was "cannot compose the config: Interpolation key ... not found
+    full_key: ... object_type=dict": no closest key, and not the file that wrote it. Through the tool."""
+    from conftest import run_tool
+
+    exp = write_yaml(tmp_path, "exp.yaml", """\
+        # @package _global_
+        defaults:
+          - /config/quick/supervised_digits
+          - _self_
+        config:
+          LOG_FREQUENCY: ${config.LOG_FREQ}
+        """)
+    done = run_tool([f"config={exp}", f"config.CHECKPOINT.DIR={tmp_path / 'run'}"])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == (
+        f"error: config.LOG_FREQUENCY=${{config.LOG_FREQ}}, set in {exp}: its interpolation names no key config.LOG_FREQ "
+        "(closest: ${config.LOG_FREQUENCY}); an interpolation names a key by its full path, e.g. ${config.SEED_VALUE}")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=re.escape(
+            "config.OPTIMIZER.num_epochs=${config.OPTIMIZER.num_epoch}, set on the command line: its interpolation "
+            "names no key config.OPTIMIZER.num_epoch (closest: ${config.OPTIMIZER.num_epochs})")):
+        compose([QUICK, "config.OPTIMIZER.num_epochs=${config.OPTIMIZER.num_epoch}"])

@@ -615,6 +615,7 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    search_dirs = list(search_dirs)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(DEFAULTS_DIR), version_base=None):
@@ -624,7 +625,7 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file:
         missing = _explain_missing_default(" ".join(str(e).split()), user_file)
         if missing:
             raise ConfigError(missing) from None
-        msg = _explain_hydra_error(e)
+        msg = _explain_missing_interpolation(" ".join(str(e).split()), overrides, search_dirs) or _explain_hydra_error(e)
         if user_file:
             msg = re.sub(r"\S*/config/" + _USER_FILE + r"\.yaml", user_file, msg)
             msg = msg.replace(f"config/{_USER_FILE}", user_file)
@@ -694,6 +695,41 @@ def _explain_missing_default(msg: str, user_file: Optional[str]) -> Optional[str
     hint = f"; nearest in {group}/: {', '.join(near)}" if near else ""
     return (f"config file {where}: its defaults: entry {entry} matches no file {entry}.yaml under {dirs}{hint} "
             f"(entries are paths below these folders, e.g. /config/quick/simclr_digits)")
+
+
+def _explain_missing_interpolation(msg: str, overrides: List[str], search_dirs: List[Path]) -> Optional[str]:
+    """An interpolation naming no key (``${config.OPTIMIZER.num_epoch}``): omegaconf names the key
+    looked up and the key holding the interpolation; the line adds the value as written, where it
+    was written (the command line or the yaml file that set it last) and the closest valid keys."""
+    m = re.search(r"Interpolation key '([^']+)' not found full_key: (\S+)", msg)
+    if not m:
+        return None
+    target, holder = m.groups()
+    known = flatten_keys(load_defaults())
+    # an absolute path as written; a relative one (${..x}) reaches omegaconf's message as its last part
+    absolute = target.split(".", 1)[0] in _TOP_LEVEL
+    near = nearest_keys(target if absolute else f"{holder.rpartition('.')[0]}.{target}", known)
+    hint = f" (closest: {', '.join('${' + k + '}' for k in near)})" if near else ""
+    given = [i.partition("=")[2] for i in overrides if i.partition("=")[0].lstrip("+~") == holder]
+    if given:
+        written, where = given[-1], "on the command line"
+    else:
+        found = _setting_in(_merged_files(overrides, search_dirs), holder)
+        written, where = (found[1], f"in {found[0]}") if found else (f"${{{target}}}", "in a config file")
+    return (f"{holder}={written}, set {where}: its interpolation names no key {target}{hint}; an interpolation "
+            f"names a key by its full path, e.g. ${{config.SEED_VALUE}}")
+
+
+def _setting_in(files: List[Tuple[str, Any]], key: str) -> Optional[Tuple[str, Any]]:
+    """(path, value) of the last of the merged ``files`` (path, content) that sets the dotted ``key``."""
+    parts = key.split(".")
+    for path, content in reversed(files):
+        node = content
+        for part in parts:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            return path, node
+    return None
 
 
 def _explain_hydra_error(e: Exception) -> str:
@@ -956,16 +992,10 @@ class _MergedFiles:
 
     def setting(self, key: str) -> Optional[str]:
         """The last merged file that sets the dotted ``key`` (the user's own file by the path given)."""
-        parts = key.split(".")
-        for path, content in reversed(self._list()):
-            node = content
-            for part in parts:
-                node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-            if node is not _MISSING:
-                if self._user_file and Path(path).resolve().is_relative_to(self._tmp.resolve()):
-                    return self._user_file
-                return path
-        return None
+        found = _setting_in(self._list(), key)
+        if found is not None and self._user_file and Path(found[0]).resolve().is_relative_to(self._tmp.resolve()):
+            return self._user_file
+        return found[0] if found else None
 
 
 _MISSING = object()

@@ -247,7 +247,8 @@ def check_before_launch(cfg, node_id: int = 0) -> None:
     """What each rank would find out only after starting: output folders, the checkpoint
     folder's lock, the checkpoint to resume from, and the parts built on the meta device."""
     from ssl_engine.config.validate import (
-        check_output_folder, check_parts_build, check_pointer_is_not_a_folder, check_resume_file,
+        check_hook_output_folders, check_output_folder, check_parts_build, check_pointer_is_not_a_folder,
+        check_resume_file,
     )
     from ssl_engine.launch import check_torchrun_env, under_torchrun
     from ssl_engine.lock import EXTRACT_LOCK_NAME, check_folder_free
@@ -266,6 +267,7 @@ def check_before_launch(cfg, node_id: int = 0) -> None:
         check_folder_free(cfg.CHECKPOINT.DIR)
     if cfg.engine_name == "train":
         check_pointer_is_not_a_folder(cfg.CHECKPOINT.DIR)
+        check_hook_output_folders(cfg)
     if cfg.engine_name == "extract_features" and node_id == 0 and not under_torchrun():
         check_folder_free(cfg.EXTRACT_FEATURES.OUTPUT_DIR or cfg.CHECKPOINT.DIR, EXTRACT_LOCK_NAME)
     with one_thread_in_this_process():

@@ -497,6 +497,16 @@ ROWS: List[Row] = [
       tool=False),
     R("checkpoint-dir-is-a-file", ("config.CHECKPOINT.DIR={fx}/garbage.torch",),
       ("config.CHECKPOINT.DIR={fx}/garbage.torch is a file",), tool=False),
+    # folders of optional hooks: found at the hook's first write, after the run had written log.txt and
+    # train_config.yaml into its folder, in a line that named no key
+    R("tensorboard-log-dir-under-a-file", ("config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=true",
+                                          "config.HOOKS.TENSORBOARD_SETUP.LOG_DIR={fx}/garbage.torch/tb"),
+      ("config.HOOKS.TENSORBOARD_SETUP.LOG_DIR={fx}/garbage.torch/tb (its folder {fx}/garbage.torch/tb/tensorboard/tb_logs)",
+       "cannot be created: {fx}/garbage.torch is a file"), folder="fresh"),
+    R("profiler-output-folder-under-a-file", ("config.PROFILING.RUNTIME_PROFILING.USE_PROFILER=true",
+                                              "config.PROFILING.OUTPUT_FOLDER={fx}/garbage.torch/prof"),
+      ("config.PROFILING.OUTPUT_FOLDER={fx}/garbage.torch/prof (its folder", "{fx}/garbage.torch is a file"),
+      folder="fresh", tool=False),
     R("user-module-missing", ("config.USER_MODULES=[{fx}/my_parts.py]",),
       ("config.USER_MODULES", "{fx}/my_parts.py", "does not exist")),
     R("two-ranks-head-mismatch", ("config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[8,10]}]]"),

@@ -1043,32 +1043,34 @@ def check_data_paths(cfg: AttrDict) -> None:
 # Checks before launching: what every rank would find out only after it started.
 
 
-def check_output_folder(path: Any, key: str) -> None:
+def check_output_folder(path: Any, key: str, value: Optional[Any] = None) -> None:
     """``path`` is a folder, or can be created: no part of it is a file, its nearest existing
-    ancestor is writable."""
+    ancestor is writable. ``value``: the setting of ``key`` the message names, where ``path`` is
+    a folder made below it (TensorBoard's ``LOG_DIR/EXPERIMENT_LOG_DIR/tb_logs``)."""
     import os
 
     folder = Path(str(path)).expanduser()
+    named = f"{key}={path}" if value is None else f"{key}={value} (its folder {folder})"
     try:
         folder.resolve()
     except (RuntimeError, OSError):  # python raises RuntimeError on a loop of links, newer ones OSError
-        raise ConfigError(f"{key}={path} cannot be reached: a loop of symbolic links; name another folder") from None
+        raise ConfigError(f"{named} cannot be reached: a loop of symbolic links; name another folder") from None
     for part in (folder, *folder.parents):
         if part.is_symlink() and not part.exists():
-            raise ConfigError(f"{key}={path}: {part} is a symbolic link to {os.readlink(part)}, which does not exist; "
+            raise ConfigError(f"{named}: {part} is a symbolic link to {os.readlink(part)}, which does not exist; "
                               f"create that folder, or name another")
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{key}={path} is a file, not a folder; name a folder for the run's files")
+        raise ConfigError(f"{named} is a file, not a folder; name a folder for the run's files")
     probe = folder
     while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"{key}={path} cannot be created: {probe} is a file")
+        raise ConfigError(f"{named} cannot be created: {probe} is a file")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == folder else f"cannot be created: {probe} is not writable"
-        raise ConfigError(f"{key}={path} {what} by this user")
+        raise ConfigError(f"{named} {what} by this user")
     if probe.exists() and probe != folder:
         # the access bits are not the whole story (/proc, an automount that does not mount, a
         # read-only mount): make and remove one folder where the run will make its own
@@ -1077,7 +1079,23 @@ def check_output_folder(path: Any, key: str) -> None:
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".ssl_engine_probe_", dir=str(probe)))
         except OSError as e:
-            raise ConfigError(f"{key}={path} cannot be created: {e.strerror or e} (in {probe})") from None
+            raise ConfigError(f"{named} cannot be created: {e.strerror or e} (in {probe})") from None
+
+
+def check_hook_output_folders(cfg: AttrDict) -> None:
+    """The folders that optional hooks of a training run write to (TensorBoard's events, the
+    profiler's traces) can be made. The hooks make them at their first write, after the run had
+    made its checkpoint folder, log.txt and train_config.yaml: a file in the way was found there."""
+    from ssl_engine.hooks.profiler import profiling_folder
+    from ssl_engine.hooks.tensorboard import tensorboard_dir
+
+    tb = cfg.HOOKS.TENSORBOARD_SETUP
+    if tb.USE_TENSORBOARD:
+        key = "config.CHECKPOINT.DIR" if str(tb.LOG_DIR) in ("", ".") else "config.HOOKS.TENSORBOARD_SETUP.LOG_DIR"
+        given = cfg.CHECKPOINT.DIR if key == "config.CHECKPOINT.DIR" else tb.LOG_DIR
+        check_output_folder(tensorboard_dir(cfg), key, value=given)
+    if cfg.PROFILING.RUNTIME_PROFILING.USE_PROFILER:
+        check_output_folder(profiling_folder(cfg), "config.PROFILING.OUTPUT_FOLDER", value=cfg.PROFILING.OUTPUT_FOLDER)
 
 
 def is_resuming(cfg: AttrDict) -> bool:

@@ -1771,3 +1771,18 @@ def test_an_interpolation_naming_no_key_names_the_closest_keys_and_where_it_was_
             "config.OPTIMIZER.num_epochs=${config.OPTIMIZER.num_epoch}, set on the command line: its interpolation "
             "names no key config.OPTIMIZER.num_epoch (closest: ${config.OPTIMIZER.num_epochs})")):
         compose([QUICK, "config.OPTIMIZER.num_epochs=${config.OPTIMIZER.num_epoch}"])
+
+
+def test_a_list_entry_override_is_explained_against_the_list_an_earlier_override_gave():
+    """TRANSFORMS=[two entries] then TRANSFORMS.5.size=8: the line named entry 5 of the file's list
+    ("(name Normalize) has no option 'size'"), a list the run would not have; and entry 1 by the
+    file's transform, not the one the earlier override put there."""
+    whole = "config.DATA.TRAIN.TRANSFORMS=[{name:RandomResizedCrop,size:16},{name:ToTensor}]"
+    with pytest.raises(ConfigError, match=re.escape(
+            "config.DATA.TRAIN.TRANSFORMS.5.size: config.DATA.TRAIN.TRANSFORMS is a list of 2 entries, so '5' "
+            "names none of them (indices: 0-1)")):
+        compose([QUICK, whole, "config.DATA.TRAIN.TRANSFORMS.5.size=8"])
+    with pytest.raises(ConfigError, match=re.escape("entry 1 of config.DATA.TRAIN.TRANSFORMS (name ToTensor) has no "
+                                                    "option 'size' to change")):
+        compose([QUICK, whole, "config.DATA.TRAIN.TRANSFORMS.1.size=8"])
+    assert compose([QUICK, whole, "config.DATA.TRAIN.TRANSFORMS.0.size=8"]).DATA.TRAIN.TRANSFORMS[0].size == 8

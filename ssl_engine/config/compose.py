@@ -1005,38 +1005,60 @@ def _explain_override_into_a_value(hydra_overrides: List[str], command_line: Lis
                                    user_file: Optional[str]) -> None:
     """hydra calls an override into a section that a yaml file set to a plain value (``OPTIMIZER: 5``
     with ``config.OPTIMIZER.num_epochs=1``) an unknown key. Compose the files alone and, where such
-    a value is on the override's path, raise the line that names it; return otherwise."""
+    a value is on the override's path, raise the line that names it; return otherwise.
+
+    Each override is looked at in the config as the overrides before it left it: one that sets a
+    whole list (``TRANSFORMS=[...]``) changes the entries a later ``TRANSFORMS.5.size`` can name."""
     files = [o for o in hydra_overrides if o.startswith(("config=", "+config/"))]
-    try:
-        base = _hydra_compose(files, search_dirs, user_file)
-    except ConfigError:
-        return
-    for key in command_line:
-        node: Any = base
-        parts = key.lstrip("+~").split(".")
-        for depth, part in enumerate(parts[:-1]):
-            if isinstance(node, list):  # an entry of a list (TRANSFORMS.1.size): the part is its index
-                node = _list_entry(node, ".".join(parts[:depth]), part, key)
-                if isinstance(node, dict) and depth == len(parts) - 2 and parts[-1] not in node:
-                    near = closest(parts[-1], [str(k) for k in node if k != "name"], n=2)
-                    raise ConfigError(
-                        f"{key}: entry {part} of {'.'.join(parts[:depth])} ({_entry_name(node)}) has no option "
-                        f"{parts[-1]!r} to change" + (f" (closest: {', '.join(near)})" if near else "")
-                        + f"; add it with +{key.lstrip('+')}=<value>"
-                    )
-                continue
-            node = node.get(part) if isinstance(node, dict) else None
-            if node is not None and not isinstance(node, (dict, list)):
-                where = ".".join(parts[:depth + 1])
+    as_given = {k.lstrip("+~"): k for k in command_line}
+    bases: Dict[int, Any] = {}
+    before: List[str] = []
+    for item in hydra_overrides:
+        if item in files:
+            continue
+        path = item.partition("=")[0].lstrip("+~")
+        key = as_given.get(path)
+        if key is not None:
+            # the files alone, unless an earlier override set this key or a section or list above it
+            reach = [o for o in before if path == (p := o.partition("=")[0].lstrip("+~")) or path.startswith(p + ".")]
+            n = len(before) if reach else 0
+            if n not in bases:
+                try:
+                    bases[n] = _hydra_compose(files + before[:n], search_dirs, user_file)
+                except ConfigError:
+                    return
+            _explain_override_in(bases[n], key, user_file)
+        before.append(item)
+
+
+def _explain_override_in(base: Dict[str, Any], key: str, user_file: Optional[str]) -> None:
+    """The line for the command-line ``key`` that has no place in the composed ``base``: an entry
+    of a list it lacks or an option the entry lacks, or a plain value where a section belongs."""
+    node: Any = base
+    parts = key.lstrip("+~").split(".")
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):  # an entry of a list (TRANSFORMS.1.size): the part is its index
+            node = _list_entry(node, ".".join(parts[:depth]), part, key)
+            if isinstance(node, dict) and depth == len(parts) - 2 and parts[-1] not in node:
+                near = closest(parts[-1], [str(k) for k in node if k != "name"], n=2)
                 raise ConfigError(
-                    f"{where}={node!r} has the wrong type: expected mapping, got {type(node).__name__} "
-                    f"(in {_file_setting(user_file, parts[:depth + 1]) or 'the config files'}), so {key} on the "
-                    f"command line has no section to go into; make {where} a section of options"
+                    f"{key}: entry {part} of {'.'.join(parts[:depth])} ({_entry_name(node)}) has no option "
+                    f"{parts[-1]!r} to change" + (f" (closest: {', '.join(near)})" if near else "")
+                    + f"; add it with +{key.lstrip('+')}=<value>"
                 )
-            if node is None:
-                break
-        if isinstance(node, list) and len(parts) > 1:  # the key names an entry itself (TRANSFORMS.7={...})
-            _list_entry(node, ".".join(parts[:-1]), parts[-1], key)
+            continue
+        node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and not isinstance(node, (dict, list)):
+            where = ".".join(parts[:depth + 1])
+            raise ConfigError(
+                f"{where}={node!r} has the wrong type: expected mapping, got {type(node).__name__} "
+                f"(in {_file_setting(user_file, parts[:depth + 1]) or 'the config files'}), so {key} on the "
+                f"command line has no section to go into; make {where} a section of options"
+            )
+        if node is None:
+            break
+    if isinstance(node, list) and len(parts) > 1:  # the key names an entry itself (TRANSFORMS.7={...})
+        _list_entry(node, ".".join(parts[:-1]), parts[-1], key)
 
 
 def _check_list_entry_key(key: str) -> None:

@@ -123,7 +123,7 @@ def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = T
             raise UserError(f"unknown option {a!r}; options are {options} (see --help)")
         else:
             overrides.append(a)
-    if engine:
+    if engine is not None:  # --engine= too: an empty name is refused with the known ones, not dropped
         overrides.append(f"engine_name={engine}")
     return overrides, node_id, debug
 

@@ -158,6 +158,9 @@ ROWS: List[Row] = [
        """'config.DATA.TRAIN.DATA_PATHS=["/tmp/ünï"]'"""), tool=False),
     R("add-existing-key", ("+config.LOG_FREQUENCY=3",), ("+config.LOG_FREQUENCY", "already exists")),
     R("unknown-option", ("--epochs=3",), ("unknown option '--epochs=3'",)),
+    # --engine= was dropped: the run trained, whatever engine the user had meant to name
+    R("engine-option-empty", ("--engine=",), ("unknown engine '' (config key engine_name); known: extract_features, train",),
+      tool=False),
     R("node-id-not-int", ("node_id=first",), ("node_id='first' is not an integer",)),
     # -- registry names -----------------------------------------------------------------------------
     R("unknown-trunk", ("config.MODEL.TRUNK.NAME=resnt",),

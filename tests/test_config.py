@@ -1786,3 +1786,14 @@ def test_a_list_entry_override_is_explained_against_the_list_an_earlier_override
                                                     "option 'size' to change")):
         compose([QUICK, whole, "config.DATA.TRAIN.TRANSFORMS.1.size=8"])
     assert compose([QUICK, whole, "config.DATA.TRAIN.TRANSFORMS.0.size=8"]).DATA.TRAIN.TRANSFORMS[0].size == 8
+
+
+def test_an_unset_environment_variable_names_the_key_the_variable_and_the_default_syntax(monkeypatch):
+    """${oc.env:NAME} of an unset variable was "cannot compose the config: KeyError raised while resolving
+    interpolation: ... object_type=dict", without the way to give a default."""
+    monkeypatch.delenv("SSL_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError) as e:
+        compose([QUICK, "config.CHECKPOINT.DIR=${oc.env:SSL_TEST_UNSET}/run"])
+    assert str(e.value) == ("config.CHECKPOINT.DIR: its interpolation ${oc.env:SSL_TEST_UNSET} names the environment "
+                            "variable SSL_TEST_UNSET, which is not set; set it, or give a default after a comma: "
+                            "${oc.env:SSL_TEST_UNSET,<default>}")

@@ -625,7 +625,9 @@ def _hydra_compose(overrides: List[str], search_dirs: Iterable[Path], user_file:
         missing = _explain_missing_default(" ".join(str(e).split()), user_file)
         if missing:
             raise ConfigError(missing) from None
-        msg = _explain_missing_interpolation(" ".join(str(e).split()), overrides, search_dirs) or _explain_hydra_error(e)
+        text = " ".join(str(e).split())
+        msg = (_explain_missing_interpolation(text, overrides, search_dirs) or _explain_unset_variable(text)
+               or _explain_hydra_error(e))
         if user_file:
             msg = re.sub(r"\S*/config/" + _USER_FILE + r"\.yaml", user_file, msg)
             msg = msg.replace(f"config/{_USER_FILE}", user_file)
@@ -718,6 +720,17 @@ def _explain_missing_interpolation(msg: str, overrides: List[str], search_dirs: 
         written, where = (found[1], f"in {found[0]}") if found else (f"${{{target}}}", "in a config file")
     return (f"{holder}={written}, set {where}: its interpolation names no key {target}{hint}; an interpolation "
             f"names a key by its full path, e.g. ${{config.SEED_VALUE}}")
+
+
+def _explain_unset_variable(msg: str) -> Optional[str]:
+    """``${oc.env:NAME}`` of a variable that is not set: omegaconf's KeyError text, made the line that
+    names the key, the variable and the two ways out."""
+    m = re.search(r"Environment variable '([^']+)' not found\W* full_key: (\S+)", msg)
+    if not m:
+        return None
+    name, holder = m.groups()
+    return (f"{holder}: its interpolation ${{oc.env:{name}}} names the environment variable {name}, which is not "
+            f"set; set it, or give a default after a comma: ${{oc.env:{name},<default>}}")
 
 
 def _setting_in(files: List[Tuple[str, Any]], key: str) -> Optional[Tuple[str, Any]]:

@@ -1797,3 +1797,11 @@ def test_an_unset_environment_variable_names_the_key_the_variable_and_the_defaul
     assert str(e.value) == ("config.CHECKPOINT.DIR: its interpolation ${oc.env:SSL_TEST_UNSET} names the environment "
                             "variable SSL_TEST_UNSET, which is not set; set it, or give a default after a comma: "
                             "${oc.env:SSL_TEST_UNSET,<default>}")
+
+
+def test_a_config_file_path_with_a_slash_after_it_says_so(tmp_path):
+    """config=/path/exp.yaml/ was "a file without a .yaml ending ... rename it to exp.yaml.yaml"."""
+    exp = write_yaml(tmp_path, "exp.yaml", "# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n")
+    with pytest.raises(ConfigError) as e:
+        compose([f"config={exp}/"])
+    assert str(e.value) == f"config={exp}/ names the file {exp} as a folder ('/' after its name); write config={exp}"

@@ -527,6 +527,9 @@ def _resolve_experiment(value: str, tmp: Path) -> Tuple[str, List[Path], Path]:
                                   f"config={f}")
         name = name[:-4]
     _refuse_folder(value, name)
+    if as_path.is_file() and as_path.suffix in (".yaml", ".yml"):  # a '/' after the file's name (pathlib drops it)
+        raise ConfigError(f"config={value} names the file {as_path} as a folder ('/' after its name); "
+                          f"write config={value.rstrip('/')}")
     if as_path.is_file():  # the user's file, without the ending a config file is known by
         raise ConfigError(f"config={value} is a file without a .yaml ending: a config file outside the config folders "
                           f"is read by its path ending in .yaml (or .yml); rename it to {as_path.name}.yaml")

@@ -1805,3 +1805,16 @@ def test_a_config_file_path_with_a_slash_after_it_says_so(tmp_path):
     with pytest.raises(ConfigError) as e:
         compose([f"config={exp}/"])
     assert str(e.value) == f"config={exp}/ names the file {exp} as a folder ('/' after its name); write config={exp}"
+
+
+@pytest.mark.parametrize("value", ["/data/a=b", "/data/run(1)", "/data/run[1]", "/data/it's", "/data/x)"])
+def test_the_quoting_advice_for_a_path_holding_a_grammar_character_composes_to_the_path(value):
+    """A path holding = ( ) [ ] or ' was "cannot be parsed (...); quote lists and mappings as one shell
+    word", advice for another mistake. The advice is now the one shell word that gives the path."""
+    import shlex
+
+    with pytest.raises(ConfigError, match="only quoted; quote it for hydra inside the shell word") as e:
+        compose([QUICK, f"config.CHECKPOINT.DIR={value}"])
+    words = shlex.split(str(e.value).split("inside the shell word: ", 1)[1])
+    assert len(words) == 1, str(e.value)
+    assert compose([QUICK, words[0]]).CHECKPOINT.DIR == value

@@ -252,12 +252,29 @@ def _check_override_grammar(item: str) -> None:
             raise ConfigError(
                 f"override {item!r} cannot be parsed: hydra takes a value holding {odd!r} only quoted; {how}"
             ) from None
+        quoted = f"{key}={hydra_quoted(value)}"
+        if not value.lstrip().startswith(("[", "{", '"', "'")) and _parses(quoted):
+            # a plain value (a path) holding a character hydra's grammar reserves: = ( ) [ ] { } ...
+            raise ConfigError(
+                f"override {item!r} cannot be parsed ({why}): hydra takes a value holding one of its grammar's "
+                f"characters (= ( ) [ ] {{ }} , ' \" ...) only quoted; quote it for hydra inside the shell word: "
+                f"{shlex.quote(quoted)}"
+            ) from None
         raise ConfigError(
             f"override {item!r} cannot be parsed ({why}); quote lists and mappings as one shell word, "
             f"e.g. 'config.MODEL.HEAD.PARAMS=[[mlp,{{dims:[512,10]}}]]'"
         ) from None
     if override.is_sweep_override():
         _refuse_sweep(item, override)
+
+
+def _parses(item: str) -> bool:
+    """Whether hydra's grammar reads the override ``item``."""
+    try:
+        _overrides_parser().parse_override(item)
+    except Exception:  # HydraException, or anything else the grammar raises
+        return False
+    return True
 
 
 def _refuse_sweep(item: str, override: Any) -> None:

@@ -1402,3 +1402,14 @@ def test_each_tool_prints_its_own_usage_and_options(script, name, engine_option)
         refused = run_tool(["--engine=train", "config=extract/simclr_digits_trunk"], script=path, timeout=60)
         assert refused.returncode == 2 and refused.stderr.strip() == (
             "error: unknown option '--engine=train'; options are --debug, --help (see --help)"), refused.stderr
+
+
+def test_the_demo_refuses_a_folder_it_cannot_make_before_it_starts(tmp_path):
+    """demo.py --folder under a file started the training tool, which printed its line about
+    config.CHECKPOINT.DIR, and the demo added its own and ended with exit code 1."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = run_tool(["--folder", str(blocker / "demo")], script=str(Path(TOOL).parent / "demo.py"), timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == f"error: --folder={blocker / 'demo'} cannot be created: {blocker} is a file", out.stderr
+    assert out.stdout == ""  # nothing started

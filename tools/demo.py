@@ -29,11 +29,15 @@ LAYER = "res5avg"
 
 
 def run(args: List[str]) -> None:
-    """Run the engine tool; its log goes straight to the console."""
+    """Run the engine tool; its log goes straight to the console. A failure ends the demo with the
+    tool's exit code (2: a user error, whose one line the tool printed; 130: Ctrl-C)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     code = subprocess.call([sys.executable, str(TOOL), *args], cwd=str(REPO), env=env)
+    if code == 2:
+        sys.exit(2)
     if code != 0:
-        sys.exit(f"demo: `{TOOL.name} {' '.join(args)}` failed with exit code {code}")
+        print(f"demo: `{TOOL.name} {' '.join(args)}` failed with exit code {code}", file=sys.stderr)
+        sys.exit(code if 0 < code < 256 else 1)
 
 
 def linear_probe(train: Dict, test: Dict) -> float:
@@ -64,7 +68,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--folder", default="demo_run", help="where the run and the features go")
     args = parser.parse_args()
-    folder = Path(args.folder).resolve()
+    from ssl_engine.config.validate import check_output_folder
+    from ssl_engine.errors import UserError
+
+    try:  # before anything starts: the folder is named as the user gave it, not as a run's CHECKPOINT.DIR
+        check_output_folder(args.folder, "--folder")
+    except UserError as e:
+        parser.exit(2, f"error: {e}\n")
+    folder = Path(args.folder).expanduser().resolve()
     run_dir, random_dir = folder / "simclr_digits", folder / "random_init"
     t0 = time.time()
 

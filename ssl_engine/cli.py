@@ -233,6 +233,18 @@ def prepare_config(overrides: List[str], tool_process: bool = False,
     return cfg
 
 
+def check_working_folder() -> None:
+    """The folder the command runs in still exists. A shell left in a folder that was then deleted
+    (a run folder removed to start again) gives a process whose working folder is gone: importing
+    torch there ended the process with MKL's "FATAL ERROR: Cannot load libtorch_cpu.so", exit 2,
+    and relative paths and ./configs/config would name nothing."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise UserError("the current folder no longer exists (it was deleted after this shell entered it); "
+                        "cd to an existing folder and run the command again") from None
+
+
 def world_size_of(cfg) -> int:
     """The number of ranks the run will have (torchrun's WORLD_SIZE wins when it is set)."""
     from ssl_engine.distributed import env_rank_info
@@ -337,6 +349,7 @@ def _run_command(argv: Optional[List[str]], body: Callable[[Any, int], int], too
             quiet_dependency_warnings()
             overrides, node_id, flag = _split_args(argv, usage, engine_option)
             debug = debug or flag
+            check_working_folder()
             cfg = prepare_config(overrides, tool_process=tool_process and not debug, checked=checked)
         return body(cfg, node_id)
     except UserError as e:

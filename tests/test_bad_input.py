@@ -1413,3 +1413,17 @@ def test_the_demo_refuses_a_folder_it_cannot_make_before_it_starts(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == f"error: --folder={blocker / 'demo'} cannot be created: {blocker} is a file", out.stderr
     assert out.stdout == ""  # nothing started
+
+
+def test_a_working_folder_deleted_under_the_shell_is_one_line(tmp_path):
+    """A shell left in a folder that was then deleted: importing torch there ended the tool with MKL's
+    "FATAL ERROR: Cannot load libtorch_cpu.so" (exit 2, no word of the cause)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = f"cd {gone} && rmdir {gone} && exec {sys.executable} {TOOL} config=quick/supervised_digits " \
+             f"config.CHECKPOINT.DIR={tmp_path / 'run'}"
+    out = subprocess.run(["bash", "-c", script], env=tool_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == ("error: the current folder no longer exists (it was deleted after this shell entered "
+                                  "it); cd to an existing folder and run the command again"), out.stderr
+    assert not (tmp_path / "run").exists()

@@ -1818,3 +1818,19 @@ def test_the_quoting_advice_for_a_path_holding_a_grammar_character_composes_to_t
     words = shlex.split(str(e.value).split("inside the shell word: ", 1)[1])
     assert len(words) == 1, str(e.value)
     assert compose([QUICK, words[0]]).CHECKPOINT.DIR == value
+
+
+@pytest.mark.parametrize("override, expected", [
+    # omegaconf's select writes an index in brackets; hydra's grammar takes it as a key part
+    ("config.DATA.TRAIN.TRANSFORMS[1].size=3", "override 'config.DATA.TRAIN.TRANSFORMS[1].size=3': hydra names an entry "
+     "of a list by its index as a part of the key, without brackets: config.DATA.TRAIN.TRANSFORMS.1.size=3"),
+    ("config.OPTIMIZER..num_epochs=1", "override 'config.OPTIMIZER..num_epochs=1' has an invalid key "
+     "'config.OPTIMIZER..num_epochs'"),
+    ("+~config.LOG_FREQUENCY=1", "has an invalid key '+~config.LOG_FREQUENCY'"),
+])
+def test_an_override_whose_key_hydra_cannot_read_is_blamed_on_the_key(override, expected):
+    """Was "cannot be parsed (token recognition error at: '['); quote lists and mappings as one shell
+    word", advice about the value for a fault of the key."""
+    with pytest.raises(ConfigError) as e:
+        compose([QUICK, override])
+    assert expected in str(e.value) and "quote lists" not in str(e.value), str(e.value)

@@ -220,6 +220,8 @@ def _check_override_grammar(item: str) -> None:
     except Exception as e:  # hydra raises HydraException; anything else is as much the override's fault
         why = " ".join(str(e).split()) or type(e).__name__
         key, _, value = item.partition("=")
+        if not _parses(f"{key}=0"):  # the key is at fault, whatever the value holds
+            _refuse_key(item, key, why)
         quoted_key = re.search(r"""[{,]\s*(["'])([^"']*)\1\s*:""", value)
         if quoted_key:  # hydra's grammar takes mapping keys unquoted only
             raise ConfigError(
@@ -253,7 +255,7 @@ def _check_override_grammar(item: str) -> None:
                 f"override {item!r} cannot be parsed: hydra takes a value holding {odd!r} only quoted; {how}"
             ) from None
         quoted = f"{key}={hydra_quoted(value)}"
-        if not value.lstrip().startswith(("[", "{", '"', "'")) and _parses(quoted):
+        if not value.lstrip().startswith(("[", "{", '"', "'")) and "${" not in value and _parses(quoted):
             # a plain value (a path) holding a character hydra's grammar reserves: = ( ) [ ] { } ...
             raise ConfigError(
                 f"override {item!r} cannot be parsed ({why}): hydra takes a value holding one of its grammar's "
@@ -266,6 +268,17 @@ def _check_override_grammar(item: str) -> None:
         ) from None
     if override.is_sweep_override():
         _refuse_sweep(item, override)
+
+
+def _refuse_key(item: str, key: str, why: str) -> None:
+    """An override whose key hydra's grammar cannot read: an index in brackets (``TRANSFORMS[1].size``,
+    as omegaconf's select writes it) is named as the key it means; any other key gets the form keys take."""
+    dotted = re.sub(r"\[(\d+)\]", r".\1", key)
+    if dotted != key and _parses(f"{dotted}=0"):
+        raise ConfigError(f"override {item!r}: hydra names an entry of a list by its index as a part of the key, "
+                          f"without brackets: {dotted}={item.partition('=')[2]}")
+    raise ConfigError(f"override {item!r} has an invalid key {key!r} ({why}): keys are names joined by dots, "
+                      f"config.SECTION.KEY=value (+ to add a key, ~ to delete one)")
 
 
 def _parses(item: str) -> bool:

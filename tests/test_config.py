@@ -1834,3 +1834,15 @@ def test_an_override_whose_key_hydra_cannot_read_is_blamed_on_the_key(override, 
     with pytest.raises(ConfigError) as e:
         compose([QUICK, override])
     assert expected in str(e.value) and "quote lists" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("override, where", [("config.DATA.TRAIN.TRANSFORMS=[ToTensor]", "config.DATA.TRAIN.TRANSFORMS[0]"),
+                                             ("config.HOOKS.CUSTOM=[PreciseBNHook]", "config.HOOKS.CUSTOM[0]")])
+def test_a_part_named_alone_in_a_list_of_named_parts_is_shown_as_its_mapping(override, where):
+    """TRANSFORMS=[ToTensor] was "needs a 'name' key", though it was a name."""
+    from ssl_engine.config.validate import check_registered_names
+
+    name = override.split("[")[1].rstrip("]")
+    with pytest.raises(ConfigError) as e:
+        check_registered_names(compose([QUICK, override]))
+    assert str(e.value) == f"{where}='{name}' is a name alone; an entry is a mapping with a 'name' key: {{name: {name}}}"

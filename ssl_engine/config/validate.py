@@ -874,6 +874,15 @@ def _lookup_one(registry: Any, key: str, name: Any) -> None:
     registry.get(name, key)
 
 
+def _unnamed_entry(where: str, entry: Any) -> str:
+    """The line for an entry of a list of named parts (TRANSFORMS, HOOKS.CUSTOM) without a name:
+    a bare name (``TRANSFORMS=[ToTensor]``) is shown as the mapping it should be."""
+    if isinstance(entry, str):
+        return (f"{where}={show_value(entry)} is a name alone; an entry is a mapping with a 'name' key: "
+                f"{{name: {entry}}}")
+    return f"{where}={show_value(entry)} needs a 'name' key"
+
+
 def check_registered_names(cfg: AttrDict) -> None:
     """Every name the config gives a registry must be registered (after USER_MODULES import).
 
@@ -983,11 +992,11 @@ def _check_registered_names(cfg: AttrDict, _lookup: Callable[[Any, str, Any], No
         _lookup(R.COLLATORS, f"config.DATA.{split}.COLLATE_FUNCTION", d.COLLATE_FUNCTION)
         for i, t in enumerate(d.TRANSFORMS):
             if not isinstance(t, dict) or "name" not in t:
-                raise ConfigError(f"config.DATA.{split}.TRANSFORMS[{i}]={show_value(t)} needs a 'name' key")
+                raise ConfigError(_unnamed_entry(f"config.DATA.{split}.TRANSFORMS[{i}]", t))
             _lookup(R.TRANSFORMS, f"config.DATA.{split}.TRANSFORMS[{i}].name", t["name"])
     for i, h in enumerate(cfg.HOOKS.CUSTOM):
         if not isinstance(h, dict) or "name" not in h:
-            raise ConfigError(f"config.HOOKS.CUSTOM[{i}]={show_value(h)} needs a 'name' key")
+            raise ConfigError(_unnamed_entry(f"config.HOOKS.CUSTOM[{i}]", h))
         _lookup(R.HOOKS, f"config.HOOKS.CUSTOM[{i}].name", h["name"])
         if not isinstance(h.get("params") or {}, dict):
             raise ConfigError(f"config.HOOKS.CUSTOM[{i}].params={show_value(h['params'])} must be a mapping")

@@ -1846,3 +1846,18 @@ def test_a_part_named_alone_in_a_list_of_named_parts_is_shown_as_its_mapping(ove
     with pytest.raises(ConfigError) as e:
         check_registered_names(compose([QUICK, override]))
     assert str(e.value) == f"{where}='{name}' is a name alone; an entry is a mapping with a 'name' key: {{name: {name}}}"
+
+
+def test_a_relative_output_folder_under_an_unwritable_working_folder_names_that_folder(tmp_path, monkeypatch):
+    """CHECKPOINT.DIR=rel_run in a folder this user cannot write was "cannot be created: . is not
+    writable": the folder is now named by its path."""
+    import os
+
+    from ssl_engine.config.validate import check_output_folder
+
+    monkeypatch.chdir(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p).resolve() == tmp_path.resolve() else real_access(p, mode))
+    with pytest.raises(ConfigError) as e:
+        check_output_folder("rel_run", "config.CHECKPOINT.DIR")
+    assert str(e.value) == f"config.CHECKPOINT.DIR=rel_run cannot be created: {tmp_path} is not writable by this user"

@@ -1070,7 +1070,7 @@ def check_output_folder(path: Any, key: str, value: Optional[Any] = None) -> Non
                               f"create that folder, or name another")
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{named} is a file, not a folder; name a folder for the run's files")
-    probe = folder
+    probe = folder.absolute()  # a relative folder's parent is named by its path, not as '.'
     while not probe.exists():
         if probe.parent == probe:
             break
@@ -1078,9 +1078,9 @@ def check_output_folder(path: Any, key: str, value: Optional[Any] = None) -> Non
     if probe.exists() and not probe.is_dir():
         raise ConfigError(f"{named} cannot be created: {probe} is a file")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        what = "is not writable" if probe == folder else f"cannot be created: {probe} is not writable"
+        what = "is not writable" if probe == folder.absolute() else f"cannot be created: {probe} is not writable"
         raise ConfigError(f"{named} {what} by this user")
-    if probe.exists() and probe != folder:
+    if probe.exists() and probe != folder.absolute():
         # the access bits are not the whole story (/proc, an automount that does not mount, a
         # read-only mount): make and remove one folder where the run will make its own
         import tempfile

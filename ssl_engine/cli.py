@@ -101,6 +101,9 @@ def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = T
     """(hydra overrides, node_id, debug) from the command line; ``--help`` prints ``usage`` and
     exits; ``--engine=NAME`` is an option only where ``engine_option`` (a tool that runs one
     engine itself, as the kNN test, refuses it)."""
+    if not argv:  # the defaults alone name no data: their first error would be DATA_SOURCES, not this
+        raise UserError("no arguments: name an experiment with config=NAME or config=/path/to/file.yaml, "
+                        "e.g. config=quick/simclr_digits (--help lists the forms of override)")
     overrides, node_id, debug, engine = [], 0, False, None
     for a in argv:
         if a in ("--debug", "-d"):

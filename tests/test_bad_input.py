@@ -1427,3 +1427,15 @@ def test_a_working_folder_deleted_under_the_shell_is_one_line(tmp_path):
     assert out.stderr.strip() == ("error: the current folder no longer exists (it was deleted after this shell entered "
                                   "it); cd to an existing folder and run the command again"), out.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", ["run_distributed_engines.py", "nearest_neighbor_test.py"])
+def test_a_tool_run_without_arguments_asks_for_an_experiment(script, tmp_path):
+    """No arguments composed the defaults alone, and the line was "config.DATA.TRAIN.DATA_SOURCES is
+    empty", about a key the user had not thought of, not about the config= they had left out."""
+    out = subprocess.run([sys.executable, str(Path(TOOL).parent / script)], cwd=str(tmp_path), env=tool_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == ("error: no arguments: name an experiment with config=NAME or config=/path/to/file.yaml, "
+                                  "e.g. config=quick/simclr_digits (--help lists the forms of override)"), out.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1861,3 +1861,25 @@ def test_a_relative_output_folder_under_an_unwritable_working_folder_names_that_
     with pytest.raises(ConfigError) as e:
         check_output_folder("rel_run", "config.CHECKPOINT.DIR")
     assert str(e.value) == f"config.CHECKPOINT.DIR=rel_run cannot be created: {tmp_path} is not writable by this user"
+
+
+def test_a_mapping_that_is_empty_in_the_defaults_is_set_from_the_command_line_as_from_a_yaml_file(tmp_path):
+    """SLURM.ADDITIONAL_PARAMETERS, COLLATE_FUNCTION_PARAMS (``{}`` in defaults.yaml: the options of
+    sbatch or of a part): a yaml file gave them, but the command line's {exclusive: true, qos: high}, the
+    README's example, was "holds keys config.SLURM.ADDITIONAL_PARAMETERS does not have"."""
+    cfg = compose([QUICK, "config.SLURM.ADDITIONAL_PARAMETERS={exclusive: true, qos: high}",
+                   "config.DATA.TRAIN.COLLATE_FUNCTION_PARAMS.foo=1"])
+    assert cfg.SLURM.ADDITIONAL_PARAMETERS == {"exclusive": True, "qos": "high"}
+    assert cfg.DATA.TRAIN.COLLATE_FUNCTION_PARAMS == {"foo": 1}
+    exp = write_yaml(tmp_path, "exp.yaml", """\
+        # @package _global_
+        defaults:
+          - /config/quick/supervised_digits
+          - _self_
+        config:
+          SLURM:
+            ADDITIONAL_PARAMETERS: {exclusive: true}
+        """)
+    assert compose([f"config={exp}"]).SLURM.ADDITIONAL_PARAMETERS == {"exclusive": True}
+    assert compose([f"config={exp}", "config.SLURM.ADDITIONAL_PARAMETERS.qos=high"]).SLURM.ADDITIONAL_PARAMETERS == {
+        "exclusive": True, "qos": "high"}

@@ -866,13 +866,27 @@ def _explain_type_mismatch(e: Exception) -> Optional[str]:
     return f"{where} gives {given}, but {key} is a section of options: set them one by one ({key}.<OPTION>=...)"
 
 
-# Sections that are ``{}`` in defaults.yaml and whose keys are a part's own options (VISSL's
-# ``MODEL.TRUNK.REGNET: {name: regnet_y_400mf}``): set from the command line without '+'.
-_FREE_FORM_SECTIONS = ("config.MODEL.TRUNK.REGNET",)
+def _free_form_sections() -> List[str]:
+    """Sections that are ``{}`` in defaults.yaml: their keys are a part's own options (VISSL's
+    ``MODEL.TRUNK.REGNET: {name: regnet_y_400mf}``, a collator's COLLATE_FUNCTION_PARAMS, sbatch's
+    options in SLURM.ADDITIONAL_PARAMETERS), which a yaml file gives as they are; the command line
+    sets them, or the whole mapping, without '+' too (hydra's struct mode refused any key of theirs)."""
+    found: List[str] = []
+
+    def walk(node: Dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict):
+                if v:
+                    walk(v, f"{prefix}{k}.")
+                else:
+                    found.append(f"{prefix}{k}")
+
+    walk(load_defaults(), "")
+    return found
 
 
 def _is_option_of_free_form_section(key: str) -> bool:
-    return any(key == s or key.startswith(s + ".") for s in _FREE_FORM_SECTIONS)
+    return any(key == s or key.startswith(s + ".") for s in _free_form_sections())
 
 
 def _is_inside_unacted_section(key: str) -> bool:

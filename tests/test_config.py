@@ -1883,3 +1883,20 @@ def test_a_mapping_that_is_empty_in_the_defaults_is_set_from_the_command_line_as
     assert compose([f"config={exp}"]).SLURM.ADDITIONAL_PARAMETERS == {"exclusive": True}
     assert compose([f"config={exp}", "config.SLURM.ADDITIONAL_PARAMETERS.qos=high"]).SLURM.ADDITIONAL_PARAMETERS == {
         "exclusive": True, "qos": "high"}
+
+
+def test_a_defaults_entry_naming_a_file_beside_the_experiment_says_how_it_is_found(tmp_path):
+    """config=/path/exp.yaml whose defaults: lists '- base' for /path/base.yaml beside it: the line named
+    only config/base and the package's folder. It now names the file beside it, and the way that works
+    (both files in a folder named config/) composes."""
+    base = "# @package _global_\ndefaults:\n  - /config/quick/supervised_digits\n  - _self_\nconfig:\n  LOG_FREQUENCY: 7\n"
+    exp = "# @package _global_\ndefaults:\n  - base\n  - _self_\nconfig:\n  SEED_VALUE: 3\n"
+    write_yaml(tmp_path, "base.yaml", base)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"the file {tmp_path / 'base.yaml'} beside it is not read: entries name files of the config folders, "
+            "not of the file's own folder; put both files in a folder named config/")):
+        compose([f"config={write_yaml(tmp_path, 'exp.yaml', exp)}"])
+    (tmp_path / "config").mkdir()
+    write_yaml(tmp_path / "config", "base.yaml", base)
+    cfg = compose([f"config={write_yaml(tmp_path / 'config', 'exp.yaml', exp)}"])
+    assert (cfg.LOG_FREQUENCY, cfg.SEED_VALUE) == (7, 3)

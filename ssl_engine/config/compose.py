@@ -728,6 +728,13 @@ def _explain_missing_default(msg: str, user_file: Optional[str]) -> Optional[str
     options = sorted({p.stem for d in config_search_dirs() if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
     near = closest(option, options, n=3)
     hint = f"; nearest in {group}/: {', '.join(near)}" if near else ""
+    if parent == f"config/{_USER_FILE}" and user_file and entry.startswith("config/"):
+        # the user's file given by its path: an entry written as a name beside it ('- base')
+        beside = expand_user(user_file, "config").parent / f"{entry[len('config/'):]}.yaml"
+        if beside.is_file():
+            hint += (f"; the file {beside} beside it is not read: entries name files of the config folders, "
+                     f"not of the file's own folder; put both files in a folder named config/ (a file given by "
+                     f"its path in a config/ folder finds the files of that folder)")
     return (f"config file {where}: its defaults: entry {entry} matches no file {entry}.yaml under {dirs}{hint} "
             f"(entries are paths below these folders, e.g. /config/quick/simclr_digits)")
 

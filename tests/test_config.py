@@ -1900,3 +1900,12 @@ def test_a_defaults_entry_naming_a_file_beside_the_experiment_says_how_it_is_fou
     write_yaml(tmp_path / "config", "base.yaml", base)
     cfg = compose([f"config={write_yaml(tmp_path / 'config', 'exp.yaml', exp)}"])
     assert (cfg.LOG_FREQUENCY, cfg.SEED_VALUE) == (7, 3)
+
+
+def test_a_list_given_to_a_free_form_section_names_the_override_as_given():
+    """MODEL.TRUNK.REGNET=[1]: the line showed '++config.MODEL.TRUNK.REGNET=[1]', the form the tool
+    hands hydra for a free-form section, not what the user wrote."""
+    with pytest.raises(ConfigError) as e:
+        compose([QUICK, "config.MODEL.TRUNK.REGNET=[1]"])
+    assert str(e.value).startswith("config.MODEL.TRUNK.REGNET=[1] gives a list, but config.MODEL.TRUNK.REGNET is a "
+                                   "section of options"), str(e.value)

@@ -860,7 +860,8 @@ def _explain_type_mismatch(e: Exception) -> Optional[str]:
     key, expected = m.group(1), m.group(2)
     given = "a mapping" if expected == "list" else "a list"
     override = re.search(r"Error merging override (.+?) Cannot merge", chain)
-    where = override.group(1) if override else "a config file"
+    # the override as the user gave it: the ++ the tool adds for free-form sections is its own
+    where = re.sub(r"^\+\+", "", override.group(1)) if override else "a config file"
     if not key:
         return (f"{where} gives {given} where the config has {'a list' if expected == 'list' else 'a section'} "
                 f"(hydra does not say which key); check that file's keys against the README's tables")

@@ -97,6 +97,18 @@ def _hydra_flag_line(arg: str) -> Optional[str]:
     return None
 
 
+def print_usage(usage: str) -> None:
+    """Print a tool's ``--help`` text. A reader that closed the pipe after the lines it wanted
+    (``--help | head -1``) ends the write quietly: stdout then points to os.devnull, so neither
+    this print nor the interpreter's last flush prints a BrokenPipeError traceback."""
+    try:
+        print(usage, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = True) -> Tuple[List[str], int, bool]:
     """(hydra overrides, node_id, debug) from the command line; ``--help`` prints ``usage`` and
     exits; ``--engine=NAME`` is an option only where ``engine_option`` (a tool that runs one
@@ -116,7 +128,7 @@ def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = T
         elif a.startswith("--engine=") and engine_option:
             engine = a.split("=", 1)[1]
         elif a in ("-h", "--help"):
-            print(usage)
+            print_usage(usage)
             sys.exit(0)
         elif a.startswith("-"):
             hydra_flag = _hydra_flag_line(a)

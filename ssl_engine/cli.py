@@ -117,7 +117,10 @@ def _split_args(argv: List[str], usage: str = RUN_USAGE, engine_option: bool = T
         raise UserError("no arguments: name an experiment with config=NAME or config=/path/to/file.yaml, "
                         "e.g. config=quick/simclr_digits (--help lists the forms of override)")
     overrides, node_id, debug, engine = [], 0, False, None
-    for a in argv:
+    for i, a in enumerate(argv):
+        if a == "--engine" and engine_option:  # argparse's spelling: the name as the next word
+            after = argv[i + 1] if i + 1 < len(argv) and "=" not in argv[i + 1] else "NAME"
+            raise UserError(f"write the engine as one word, --engine={after} (the option takes its name after '=')")
         if a in ("--debug", "-d"):
             debug = True
         elif a.startswith("node_id="):

@@ -161,6 +161,9 @@ ROWS: List[Row] = [
     # --engine= was dropped: the run trained, whatever engine the user had meant to name
     R("engine-option-empty", ("--engine=",), ("unknown engine '' (config key engine_name); known: extract_features, train",),
       tool=False),
+    # argparse's spelling (--engine extract_features) was "unknown option '--engine'"
+    R("engine-option-as-two-words", ("--engine", "extract_features"),
+      ("write the engine as one word, --engine=extract_features",)),
     R("node-id-not-int", ("node_id=first",), ("node_id='first' is not an integer",)),
     # -- registry names -----------------------------------------------------------------------------
     R("unknown-trunk", ("config.MODEL.TRUNK.NAME=resnt",),

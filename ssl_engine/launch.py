@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -218,6 +219,37 @@ def _die_with_parent() -> None:
         pass
 
 
+def _die_with_launcher(launcher_pid: int) -> None:
+    """A forkserver rank: SIGKILL this process when the launcher ``launcher_pid`` ends.
+
+    PR_SET_PDEATHSIG (``_die_with_parent``) watches a rank's parent, which for a forkserver rank
+    is the forkserver. That one ends only when no process holds its alive pipe, and every rank
+    and loader worker it forked holds it: a SIGKILLed launcher (the OOM killer, ``kill -9``) left
+    its ranks training on to the end, writing checkpoints into the folder a rerun resumes from.
+    A daemon thread waits on a pidfd of the launcher instead (no polling, no reused pid; a poll
+    every second where the kernel has no pidfd). The rank's loader workers watch the rank and
+    follow it; the forkserver then ends on its own.
+    """
+    try:
+        fd: Optional[int] = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        os._exit(1)  # the launcher died before we could watch it
+    except (AttributeError, OSError):  # no pidfd_open (Python, kernel or seccomp): poll
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the launcher has ended
+        else:
+            from ssl_engine.checkpoint import pid_alive
+
+            while pid_alive(launcher_pid):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="launcher-watchdog", daemon=True).start()
+
+
 def _route_preemption_signals() -> None:
     """Preemption signals set the flag from the very start of the rank (not only once training runs)."""
     from ssl_engine import preemption
@@ -233,7 +265,9 @@ def _route_preemption_signals() -> None:
 def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid: int) -> None:
     """Body of a spawned rank: run, and on failure leave the traceback in error_dir."""
     _die_with_parent()
-    if os.getppid() != parent_pid and cfg.MULTI_PROCESSING_METHOD != "forkserver":
+    if cfg.MULTI_PROCESSING_METHOD == "forkserver":  # the parent is the forkserver, not the launcher
+        _die_with_launcher(parent_pid)
+    elif os.getppid() != parent_pid:
         os._exit(1)  # the launcher died before we could ask to die with it
     try:
         os.setpgrp()  # the rank and its dataloader workers form one group the launcher can end at once

@@ -1045,6 +1045,33 @@ def test_killed_run_leaves_no_forkserver_workers(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def test_ranks_started_by_a_forkserver_die_with_their_launcher(tmp_path: Path) -> None:
+    """SIGKILL of the launcher alone (the OOM killer, `kill -9 <pid>`) of a two-rank forkserver
+    run: PR_SET_PDEATHSIG watched the ranks' parent, the forkserver, which every rank keeps alive,
+    so the ranks trained on to the end, writing checkpoints into the folder a rerun resumes from.
+    They, their loader workers and the forkserver now end within seconds."""
+    marker = f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}"
+    folder = tmp_path / "run"
+    base = [o for o in SUPERVISED if not o.startswith("config.OPTIMIZER.num_epochs")]
+    cmd = [sys.executable, str(TOOL), *base, *per_rank(2), f"config.CHECKPOINT.DIR={folder}",
+           "config.MULTI_PROCESSING_METHOD=forkserver", "config.DATA.NUM_DATALOADER_WORKERS=1", "config.OPTIMIZER.num_epochs=500"]
+    env = tool_env({marker.split("=")[0]: marker.split("=")[1]})
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not (folder / "stdout.json").exists() and time.time() < deadline:  # training has started
+            time.sleep(0.2)
+        assert (folder / "stdout.json").exists(), "the run did not start training"
+        proc.kill()  # the launcher only, not its process group
+        proc.wait()
+        assert processes_left(marker, 20) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_nccl_keys_set_the_environment_of_the_ranks(tmp_path: Path) -> None:
     """DISTRIBUTED.NCCL_DEBUG and NCCL_SOCKET_NTHREADS reach the ranks' environment (as VISSL sets
     them); a value the shell already exports wins; an out-of-range thread count is one line, exit 2."""

@@ -552,10 +552,13 @@ class RankGroup:
         return 1
 
     def _cleanup(self, rdzv_dir: Optional[str]) -> None:
+        from ssl_engine.lock import EXTRACT_LOCK_NAME, LOCK_NAME
+
         pids = [p.pid for p in self.procs if p.pid]
-        folder = Path(str(self.cfg.CHECKPOINT.DIR))
-        remove_temp_files_of(folder, pids)
-        release_lock_of(folder, pids)
+        for folder in run_folders(self.cfg):
+            remove_temp_files_of(folder, pids)
+            for name in (LOCK_NAME, EXTRACT_LOCK_NAME):
+                release_lock_of(folder, pids, name)
         from ssl_engine.data.loader import remove_unsent_batch_files
 
         remove_unsent_batch_files(pids)
@@ -578,6 +581,17 @@ def _kill_group(pid: int, only_group: bool = False) -> None:
             pass
 
 
+def run_folders(cfg: AttrDict) -> List[Path]:
+    """The folders a run's ranks write temporary files and hold a lock in: CHECKPOINT.DIR, and
+    EXTRACT_FEATURES.OUTPUT_DIR where it names another folder (the extract_features engine's
+    shards and extract.lock)."""
+    folders = [Path(str(cfg.CHECKPOINT.DIR)).expanduser()]
+    features = str(cfg.get("EXTRACT_FEATURES", {}).get("OUTPUT_DIR", "") or "")
+    if features and Path(features).expanduser() != folders[0]:
+        folders.append(Path(features).expanduser())
+    return folders
+
+
 def remove_temp_files_of(folder: Path, pids: List[int]) -> List[str]:
     """Remove the temporary files (``.<name>.tmp.<pid>``, see ssl_engine.checkpoint.atomic_write)
     that the ranks ``pids`` left in ``folder`` when they were killed mid-write.
@@ -598,11 +612,12 @@ def remove_temp_files_of(folder: Path, pids: List[int]) -> List[str]:
     return removed
 
 
-def release_lock_of(folder: Path, pids: List[int]) -> bool:
-    """Remove the checkpoint folder's lock (ssl_engine.lock) when one of our killed ranks held it."""
-    from ssl_engine.lock import lock_path
+def release_lock_of(folder: Path, pids: List[int], name: str = "") -> bool:
+    """Remove the lock ``name`` of ``folder`` (ssl_engine.lock; default: a checkpoint folder's)
+    when one of our killed ranks held it."""
+    from ssl_engine.lock import LOCK_NAME, lock_path
 
-    path = lock_path(folder)
+    path = lock_path(folder, name or LOCK_NAME)
     try:
         owner = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -751,6 +751,39 @@ def test_a_preemption_signal_stops_extraction_and_the_rerun_completes(pretrained
     np.testing.assert_array_equal(load_features(out, "train", "res5avg")["inds"], np.arange(n))
 
 
+def test_a_rank_killed_mid_shard_leaves_no_temp_file_or_lock_in_the_feature_folder(pretrained: Path,
+                                                                                  tmp_path: Path) -> None:
+    """SIGKILL of rank 0 (the OOM killer) while it writes a chunk into EXTRACT_FEATURES.OUTPUT_DIR:
+    the launcher removed a killed rank's temporary files and lock from CHECKPOINT.DIR only, so
+    its half-written shards and extract.lock stayed in the feature folder (the next extraction
+    took the lock over with a warning). The feature folder is cleaned as the checkpoint folder is."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from conftest import TOOL, tool_env
+
+    out = tmp_path / "out"
+    args = ["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
+            f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
+            "config.EXTRACT_FEATURES.CHUNK_THRESHOLD=64", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
+    proc = subprocess.Popen([sys.executable, TOOL, *args], cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    writing: List[Path] = []
+    while not writing and proc.poll() is None and time.time() < deadline:
+        writing = list(out.glob(".rank0_chunk*_train_*.tmp.*")) if out.is_dir() else []
+        time.sleep(0.02)
+    assert writing, "rank 0 wrote no chunk before the extraction ended"
+    os.kill(int(writing[0].name.rsplit(".", 1)[1]), signal.SIGKILL)  # the rank that writes it
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 1 and "rank 0 was killed by SIGKILL" in stderr, stderr[-3000:]
+    assert temp_files(out) == [] and not (out / "extract.lock").exists(), sorted(os.listdir(out))
+    assert extraction_status(out, "TRAIN")["status"] == "running"
+
+
 @pytest.mark.parametrize("asked, other", [("TRAIN", "TEST"), ("TEST", "TRAIN")])
 def test_extraction_checks_and_builds_only_the_splits_it_is_asked_for(tmp_path: Path, asked: str, other: str) -> None:
     # the split left out names data that is not on this machine, a path count that does not fit

@@ -6,6 +6,7 @@ losses, so one backward pass trains all heads. ``CrossEntropyLoss`` is VISSL's d
 loss name: plain cross-entropy of a single head.
 """
 
+import math
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
@@ -64,6 +65,30 @@ def _check_reduction(reduction: str, key: str) -> str:
     return reduction
 
 
+def _class_weights(weight: Any, key: str) -> torch.Tensor:
+    """``weight`` as a float tensor of per-class weights; a UserError naming ``key`` unless it is a
+    list of finite numbers >= 0. A yaml string (``"1,2"``), a mapping, a number or a nested list
+    ended the run in each rank with a torch traceback (or at the first step); a negative weight
+    would train that class away from its label."""
+    fix = "give a list of one number >= 0 per class (e.g. [1.0, 2.0, ...]), or null for equal weights"
+    if not isinstance(weight, (list, tuple)):
+        raise UserError(f"{key}={weight!r} is not a list: {fix}")
+    values = []
+    for i, w in enumerate(weight):
+        number = None
+        if isinstance(w, (int, float)) and not isinstance(w, bool):
+            number = float(w)
+        elif isinstance(w, str):  # yaml reads 1e-5 (no dot) as a string
+            try:
+                number = float(w)
+            except ValueError:
+                pass
+        if number is None or not math.isfinite(number) or number < 0:
+            raise UserError(f"{key}[{i}]={w!r} is not a finite number >= 0: {fix}")
+        values.append(number)
+    return torch.as_tensor(values, dtype=torch.float32)
+
+
 @LOSSES.register("cross_entropy_multiple_output_single_target")
 class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
     """Sum over heads of cross-entropy(head output, target).
@@ -101,7 +126,7 @@ class CrossEntropyMultipleOutputSingleTargetLoss(ClassyLoss):
         if weight is None:
             self.weight = None
         else:
-            self.register_buffer("weight", torch.as_tensor(list(weight), dtype=torch.float32))
+            self.register_buffer("weight", _class_weights(weight, f"{self.CONFIG_KEY}.weight"))
 
     def _check_weight(self, classes: int) -> None:
         if self.weight is not None and self.weight.numel() != classes:

@@ -132,6 +132,17 @@ ROWS: List[Row] = [
     # writable by its access bits, yet no folder can be made there (as an automount that does not mount)
     R("checkpoint-dir-cannot-be-made", ("config.CHECKPOINT.DIR=/proc/ssl_engine_nope/run",),
       ("config.CHECKPOINT.DIR=/proc/ssl_engine_nope/run cannot be created: No such file or directory (in /proc)",)),
+    # an entry of a list of names that is a list, mapping, bool or null: a TypeError traceback while
+    # composing (METERS.names) or when the weights load (SKIP_LAYERS), exit 1
+    R("meter-names-entry-not-a-name", ("config.METERS.names=[[accuracy_list_meter]]",),
+      ("config.METERS.names[0]=['accuracy_list_meter'] has the wrong type: expected string, got list",)),
+    R("skip-layers-entry-not-a-name", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/whole.torch",
+                                       "config.MODEL.WEIGHTS_INIT.SKIP_LAYERS=[num_batches_tracked,[fc1]]"),
+      ("config.MODEL.WEIGHTS_INIT.SKIP_LAYERS[1]=['fc1'] has the wrong type: expected string, got list",),
+      folder="fresh", tool=False),
+    R("yaml-name-list-entry-not-a-name", ("config={fx}/skip_layers_null.yaml",),
+      ("config.MODEL.WEIGHTS_INIT.SKIP_LAYERS[0]=true has the wrong type: expected string, got bool",
+       "set in {fx}/skip_layers_null.yaml"), folder="fresh", tool=False),
     # -- yaml files and config= --------------------------------------------------------------------
     R("malformed-yaml", ("config={fx}/malformed.yaml",), ("malformed yaml in {fx}/malformed.yaml:5",)),
     R("yaml-python-tag", ("config={fx}/python_tag.yaml",),
@@ -555,6 +566,10 @@ def make_fixture_files(fx: Path) -> None:
     (fx / "pre_release_linear.yaml").write_text(  # VISSL's other_styles/eval_resnet_final_output layout
         "# @package _global_\nconfig:\n  MODEL:\n    FEATURE_EVAL_MODE: True\n    EVAL_FEATURES: [res5avg]\n"
         "    PARAMS_FILE:\n      PATH: /models/rn50.torch\n"
+    )
+    (fx / "skip_layers_null.yaml").write_text(
+        "# @package _global_\ndefaults: [/config/quick/supervised_digits, _self_]\nconfig:\n  MODEL:\n"
+        "    WEIGHTS_INIT:\n      SKIP_LAYERS: [true]\n"
     )
     (fx / "duplicate.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n")
     (fx / "empty").mkdir(exist_ok=True)

@@ -24,6 +24,14 @@ _OPEN_PARENTS = {"config.MODEL.TRUNK", "config.LOSS", "config.METERS"}
 _INFINITY_ALLOWED = {"config.MODEL.GRAD_CLIP.NORM_TYPE"}
 # Mappings whose keys and values are passed on as they are (VISSL hands AMP_ARGS to apex).
 _FREE_FORM = {"config.MODEL.AMP_PARAMS.AMP_ARGS"}
+# Lists of names (modules, meters, parameter-name parts, splits): each entry is a string, a number
+# read as its text. A list or mapping there ended the run in a TypeError traceback where the names
+# were used (SKIP_LAYERS: [[a]] when the weights load, METERS.names: [5] while composing).
+_NAME_LISTS = {
+    "config.USER_MODULES", "config.METERS.names", "config.MODEL.WEIGHTS_INIT.SKIP_LAYERS",
+    "config.MODEL.NON_TRAINABLE_PARAMS", "config.OPTIMIZER.non_regularized_parameters", "config.EXTRACT_FEATURES.SPLITS",
+} | {f"config.METERS.{m}.meter_names" for m in ("accuracy_list_meter", "precision_at_k_list_meter",
+                                                "recall_at_k_list_meter", "mean_ap_list_meter")}
 
 
 def flatten_keys(tree: Dict[str, Any], prefix: str = "") -> List[str]:
@@ -256,13 +264,22 @@ def _coerce(path: str, value: Any, default: Any, nullable: bool = False) -> Any:
         raise bad
     if isinstance(default, list):
         if isinstance(value, (list, tuple)):
-            return list(value)
+            return [_name(f"{path}[{i}]", v) for i, v in enumerate(value)] if path in _NAME_LISTS else list(value)
         raise bad
     if isinstance(default, dict):
         if isinstance(value, dict):
             return value
         raise bad
     return value
+
+
+def _name(path: str, value: Any) -> str:
+    """An entry of a list of names (_NAME_LISTS): a string, or a number as its text; ConfigError otherwise."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{path}={show_value(value)} has the wrong type: expected string, got {_type_name(value)}")
 
 
 def _nested_example(dotted: str, value: Any) -> str:

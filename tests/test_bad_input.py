@@ -150,6 +150,10 @@ ROWS: List[Row] = [
     R("yaml-not-a-mapping", ("config={fx}/a_list.yaml",), ("{fx}/a_list.yaml holds a list, not a mapping",)),
     R("yaml-duplicate-key", ("config={fx}/duplicate.yaml",),
       ("{fx}/duplicate.yaml:4", "duplicate key 'LOG_FREQUENCY'")),
+    # a section whose defaults hold no option: hydra's "Cannot merge DictConfig with ListConfig", naming no key
+    R("yaml-list-for-an-empty-section", ("config={fx}/collate_params_list.yaml",),
+      ("config file {fx}/collate_params_list.yaml: config.DATA.TRAIN.COLLATE_FUNCTION_PARAMS holds a list, but it is "
+       "a section: expected a mapping of its options (e.g. COLLATE_FUNCTION_PARAMS: {option: value})",)),
     R("config-no-such-name", ("config=quick/supervised_digit",),
       ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits",
        "SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding config/quick/supervised_digit.yaml)")),
@@ -570,6 +574,9 @@ def make_fixture_files(fx: Path) -> None:
     (fx / "skip_layers_null.yaml").write_text(
         "# @package _global_\ndefaults: [/config/quick/supervised_digits, _self_]\nconfig:\n  MODEL:\n"
         "    WEIGHTS_INIT:\n      SKIP_LAYERS: [true]\n"
+    )
+    (fx / "collate_params_list.yaml").write_text(
+        "# @package _global_\nconfig:\n  DATA:\n    TRAIN:\n      COLLATE_FUNCTION_PARAMS: [1]\n"
     )
     (fx / "duplicate.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n")
     (fx / "empty").mkdir(exist_ok=True)

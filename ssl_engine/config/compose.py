@@ -478,12 +478,13 @@ def _check_sections_are_mappings(path: Path, tree: Dict[str, Any], defaults: Dic
         if isinstance(default, list) and isinstance(value, dict):
             raise ConfigError(f"config file {path}: {where} holds a mapping, but it is a list: write it as "
                               f"{_list_example(where, default)}")
-        if not isinstance(default, dict) or not default:
+        if not isinstance(default, dict):
             continue
-        if isinstance(value, list):
+        if isinstance(value, list):  # a section without default options too (COLLATE_FUNCTION_PARAMS: {})
+            example = f"{where}.{next(iter(default))}: ..." if default else f"{key}: {{option: value}}"
             raise ConfigError(f"config file {path}: {where} holds a list, but it is a section: expected a mapping "
-                              f"of its options (e.g. {where}.{next(iter(default))}: ...)")
-        if isinstance(value, dict):
+                              f"of its options (e.g. {example})")
+        if isinstance(value, dict) and default:
             _check_sections_are_mappings(path, value, default, where)
 
 

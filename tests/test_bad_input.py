@@ -154,6 +154,9 @@ ROWS: List[Row] = [
     R("yaml-list-for-an-empty-section", ("config={fx}/collate_params_list.yaml",),
       ("config file {fx}/collate_params_list.yaml: config.DATA.TRAIN.COLLATE_FUNCTION_PARAMS holds a list, but it is "
        "a section: expected a mapping of its options (e.g. COLLATE_FUNCTION_PARAMS: {option: value})",)),
+    # was "cannot compose the config: ConfigCompositionException" (omegaconf refused the key, naming nothing)
+    R("yaml-null-key", ("config={fx}/null_key.yaml",),
+      ("malformed yaml in {fx}/null_key.yaml:5: a mapping key is null", "name the option")),
     R("config-no-such-name", ("config=quick/supervised_digit",),
       ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits",
        "SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding config/quick/supervised_digit.yaml)")),
@@ -578,6 +581,7 @@ def make_fixture_files(fx: Path) -> None:
     (fx / "collate_params_list.yaml").write_text(
         "# @package _global_\nconfig:\n  DATA:\n    TRAIN:\n      COLLATE_FUNCTION_PARAMS: [1]\n"
     )
+    (fx / "null_key.yaml").write_text("# @package _global_\nconfig:\n  DATA:\n    TRAIN:\n      null: 3\n")
     (fx / "duplicate.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n")
     (fx / "empty").mkdir(exist_ok=True)
     from PIL import Image

@@ -321,6 +321,11 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
             raise yaml.constructor.ConstructorError(
                 None, None, f"a mapping key must be a plain value, got {type(key).__name__}", key_node.start_mark
             ) from None
+        if key is None:  # `null:` or `~:` (a key left empty): omegaconf refuses it later naming neither file nor line
+            raise yaml.constructor.ConstructorError(
+                None, None, "a mapping key is null (yaml reads a key written null, ~ or nothing as no key); name the "
+                "option, or quote the key ('null') if you mean the word", key_node.start_mark
+            )
         if first is not None:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first set at line {first + 1})", key_node.start_mark

@@ -1318,3 +1318,34 @@ def test_vissls_randaugment_is_not_taken_for_torchvisions(caplog) -> None:
         build_transform({"name": "RandAugment", "num_ops": 2, "magnitude": 9}, where)
         build_transform({"name": "RandAugment", "magnitude": 9, "num_magnitude_bins": 31}, where)
     assert "RandAugment" not in caplog.text
+
+
+def test_a_transform_that_fails_on_one_image_names_that_image_through_the_tool(tmp_path: Any) -> None:
+    """A RandomCrop that fits every image but one (1x1) in a file list: the line names the sample,
+    its file and its size. Was "... (RandomCrop with size=32) failed on data entry 0 (Image): ...;
+    check its settings", blaming settings that fit the other images, with nothing to find the one
+    image by (in loader workers too)."""
+    from conftest import run_tool
+
+    paths = []
+    for i in range(8):
+        side = 1 if i == 5 else 40
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(np.full((side, side, 3), 7 * i, dtype=np.uint8)).save(paths[-1])
+    np.save(tmp_path / "images.npy", np.array(paths))
+    np.save(tmp_path / "labels.npy", np.arange(8) % 2)
+    proc = run_tool(["config=quick/supervised_digits", "config.OPTIMIZER.num_epochs=1", "config.TEST_MODEL=false",
+                     "config.MODEL.TRUNK.NAME=mlp", "config.MODEL.TRUNK.MLP.DIMS=[3072,8]",
+                     "config.MODEL.HEAD.PARAMS=[[mlp,{dims:[8,10]}]]", "config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                     "config.DATA.TRAIN.LABEL_SOURCES=[disk_filelist]", f"config.DATA.TRAIN.DATA_PATHS=[{tmp_path / 'images.npy'}]",
+                     f"config.DATA.TRAIN.LABEL_PATHS=[{tmp_path / 'labels.npy'}]", "config.DATA.TRAIN.DATA_LIMIT=-1",
+                     "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4", "config.DATA.NUM_DATALOADER_WORKERS=1",
+                     "config.DATA.TRAIN.TRANSFORMS=[{name:RandomCrop,size:32},{name:ToTensor}]",
+                     f"config.CHECKPOINT.DIR={tmp_path / 'run'}"], timeout=180)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err[-3000:]
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err, err[-3000:]
+    assert last.startswith("error: config.DATA.TRAIN.TRANSFORMS[0] (RandomCrop with size=32) failed on data entry 0 "
+                           f"(Image 1x1 RGB) of TRAIN sample 5 ({paths[5]!r}): Required crop size (32, 32) is larger "
+                           "than input image size (1, 1)"), last

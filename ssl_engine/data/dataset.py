@@ -33,7 +33,7 @@ from ssl_engine.data.sources import (
     source_path,
 )
 from ssl_engine.data.sampler import PaddedIndex, is_padded
-from ssl_engine.data.transforms import SSLTransformsWrapper, build_transforms
+from ssl_engine.data.transforms import SSLTransformsWrapper, TransformFailed, build_transforms
 from ssl_engine.errors import UserError, did_you_mean, first_few
 from ssl_engine.registry import DATA_SOURCES
 
@@ -255,15 +255,24 @@ class SSLDataset(Dataset):
         }
         if not self._has_transforms:
             return sample
-        if self._draws_randomness:
-            if get_worker_info() is not None:
-                seed_all(sample_seed(self.seed, epoch, idx))  # a worker's own generators: nothing to restore
-            elif self._rng_preserved:
-                seed_all(sample_seed(self.seed, epoch, idx))  # __getitems__ restores once per batch
-            else:
-                with seeded_rng(sample_seed(self.seed, epoch, idx)):
-                    return self._transforms(sample)
-        return self._transforms(sample)
+        try:
+            if self._draws_randomness:
+                if get_worker_info() is not None:
+                    seed_all(sample_seed(self.seed, epoch, idx))  # a worker's own generators: nothing to restore
+                elif self._rng_preserved:
+                    seed_all(sample_seed(self.seed, epoch, idx))  # __getitems__ restores once per batch
+                else:
+                    with seeded_rng(sample_seed(self.seed, epoch, idx)):
+                        return self._transforms(sample)
+            return self._transforms(sample)
+        except TransformFailed as e:
+            raise e.of_sample(self._origin(used)) from e
+
+    def _origin(self, idx: int) -> str:
+        """Which sample a transform failed on, with its files where the sources have them."""
+        j = self.source_index(idx)
+        files = [repr(src.path(j)) for src in self.sources if callable(getattr(src, "path", None))]
+        return f" of {self.split} sample {idx}" + (f" ({', '.join(files)})" if files else "")
 
     def _batch_labels(self, keys: Sequence[Any]) -> List[Optional[List[Any]]]:
         """The labels of every key, looked up with one array index per label source (standard

@@ -425,6 +425,30 @@ DETERMINISTIC_TRANSFORMS = frozenset({
 })
 
 
+class TransformFailed(UserError):
+    """A transform of the list failed on a sample's image. ``parts`` splits the message where the
+    caller that knows the sample (the dataset) puts which sample and file it was: a setting that
+    works on every image but one (a RandomCrop larger than one tiny image) is otherwise blamed on
+    the settings alone, with nothing to find the image by."""
+
+    def __init__(self, message: str, parts: Optional[Tuple[str, str]] = None) -> None:
+        super().__init__(message)  # one argument: a loader worker's error is rebuilt from its message
+        self.parts = parts
+
+    def of_sample(self, origin: str) -> "TransformFailed":
+        """The same error with ``origin`` (e.g. " of TRAIN sample 5 ('/data/x.png')") after the entry."""
+        if self.parts is None:
+            return self
+        return TransformFailed(self.parts[0] + origin + self.parts[1])
+
+
+def _entry_description(entry: Any) -> str:
+    """``Image 1x1 RGB`` for a PIL image (the size a crop failed on), else the entry's type."""
+    if isinstance(entry, Image.Image):
+        return f"Image {entry.width}x{entry.height} {entry.mode}"
+    return type(entry).__name__
+
+
 class SSLTransformsWrapper:
     """Applies a VISSL-style transform list to a sample dict, entry by entry.
 
@@ -496,10 +520,9 @@ class SSLTransformsWrapper:
                     outputs[i] = transform(data[i])
                 # values that fail only on an image, e.g. Normalize's mean against the channels
                 except (TypeError, ValueError, IndexError, RuntimeError) as exc:
-                    raise UserError(
-                        f"{self.config_key}[{pos}] ({name}{self._settings[pos]}) failed on data entry {i} "
-                        f"({type(data[i]).__name__}): {exc}; check its settings"
-                    ) from exc
+                    parts = (f"{self.config_key}[{pos}] ({name}{self._settings[pos]}) failed on data entry {i} "
+                             f"({_entry_description(data[i])})", f": {exc}; check its settings")
+                    raise TransformFailed("".join(parts), parts) from exc
             if getattr(transform, "sets_label", False):
                 self._set_labels(sample, outputs)
                 continue

@@ -157,6 +157,12 @@ ROWS: List[Row] = [
     # was "cannot compose the config: ConfigCompositionException" (omegaconf refused the key, naming nothing)
     R("yaml-null-key", ("config={fx}/null_key.yaml",),
       ("malformed yaml in {fx}/null_key.yaml:5: a mapping key is null", "name the option")),
+    # a file the experiment's defaults: list merges is checked as the experiment is: hydra's own errors
+    # named no key ("Cannot merge DictConfig with ListConfig") or nothing ("ConfigCompositionException")
+    R("yaml-included-by-defaults-has-a-list-for-a-section", ("config={fx}/tree/config/exp/uses_parts.yaml",),
+      ("config file {fx}/tree/config/parts/data_list.yaml: config.DATA holds a list, but it is a section",)),
+    R("yaml-included-by-defaults-has-a-null-key", ("config={fx}/tree/config/exp/uses_null_key.yaml",),
+      ("malformed yaml in {fx}/tree/config/parts/null_key.yaml:3: a mapping key is null",), tool=False),
     R("config-no-such-name", ("config=quick/supervised_digit",),
       ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits",
        "SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding config/quick/supervised_digit.yaml)")),
@@ -582,6 +588,15 @@ def make_fixture_files(fx: Path) -> None:
         "# @package _global_\nconfig:\n  DATA:\n    TRAIN:\n      COLLATE_FUNCTION_PARAMS: [1]\n"
     )
     (fx / "null_key.yaml").write_text("# @package _global_\nconfig:\n  DATA:\n    TRAIN:\n      null: 3\n")
+    (fx / "tree" / "config" / "parts").mkdir(parents=True, exist_ok=True)
+    (fx / "tree" / "config" / "exp").mkdir(parents=True, exist_ok=True)
+    (fx / "tree" / "config" / "parts" / "data_list.yaml").write_text("# @package _global_\nconfig:\n  DATA: [1]\n")
+    (fx / "tree" / "config" / "parts" / "null_key.yaml").write_text("# @package _global_\nconfig:\n  null: 1\n")
+    for name, part in (("uses_parts", "data_list"), ("uses_null_key", "null_key")):
+        (fx / "tree" / "config" / "exp" / f"{name}.yaml").write_text(
+            f"# @package _global_\ndefaults: [/config/quick/supervised_digits, /config/parts/{part}, _self_]\n"
+            "config:\n  LOG_FREQUENCY: 3\n"
+        )
     (fx / "duplicate.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n")
     (fx / "empty").mkdir(exist_ok=True)
     from PIL import Image

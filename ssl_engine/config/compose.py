@@ -16,7 +16,7 @@ import re
 import shlex
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import yaml
 from omegaconf import OmegaConf
@@ -419,7 +419,7 @@ LEGACY_EXTRACT_KEY = "extract_features"
 _BOM = b"\xef\xbb\xbf"
 
 
-def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = False) -> None:
+def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = False, header: bool = True) -> None:
     """An experiment file must be well-formed yaml holding a mapping, with options under 'config:'.
 
     The file ``config=`` names (``experiment``) must also hold something: options, a
@@ -427,6 +427,9 @@ def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = F
     coming from the command line, is fine). An empty one would run the bare defaults and fail
     later on a key the file was meant to set, naming neither the file nor the cause.
     ``bom_removed``: the file is handed to hydra as a copy without its byte order mark.
+    ``header``: the file must start with ``# @package _global_`` (not asked of a file another
+    one's ``defaults:`` merges, whose package hydra may place otherwise: the keys it then sets
+    are named as unknown, with the file).
     """
     if not bom_removed and _starts_with_bom(path):
         raise ConfigError(
@@ -467,11 +470,47 @@ def _check_yaml_file(path: Path, experiment: bool = False, bom_removed: bool = F
         raise ConfigError(f"config file {path}: 'config:' holds a {type(data['config']).__name__}, not a mapping of options")
     if isinstance(data.get("config"), dict):
         _check_sections_are_mappings(path, data["config"], load_defaults()["config"], "config")
-    if not _has_global_package_header(path):
+    if header and not _has_global_package_header(path):
         raise ConfigError(
             f"config file {path} lacks the header line '# @package _global_' before its first key; "
             f"without it hydra would read its options as config.config.*"
         )
+
+
+def _default_entry_names(entry: Any) -> List[str]:
+    """The config names an entry of a ``defaults:`` list merges: ``/config/quick/x``, ``grp/x``,
+    ``{grp: x}`` or ``{override grp: [x, y]}`` (hydra's forms); none for ``_self_`` or a null option."""
+    if isinstance(entry, str):
+        return [] if entry == "_self_" else [entry]
+    if not isinstance(entry, dict):
+        return []
+    names = []
+    for key, value in entry.items():
+        group = str(key).split()[-1] if str(key).split() else ""  # 'override grp', 'optional grp'
+        options = value if isinstance(value, list) else [value]
+        names += [f"{group}/{o}" for o in options if isinstance(o, str) and group and group != "_self_"]
+    return names
+
+
+def check_included_files(path: Path, group: str, search_dirs: Sequence[Path], seen: Optional[Set[Path]] = None) -> None:
+    """Check the files ``path``'s ``defaults:`` list merges (and theirs) as ``path`` itself is
+    checked: hydra reads them with its own errors, which name no key or file ("Cannot merge
+    DictConfig with ListConfig", "ConfigCompositionException") or are yaml's raw text. ``group``
+    is the folder of ``path`` below the search path (``config``, ``config/quick``), against which
+    hydra reads an entry without a leading ``/``. An entry that matches no file is left to hydra
+    (its error is explained by :func:`_explain_missing_default`)."""
+    seen = set() if seen is None else seen
+    data = read_yaml_file(path)
+    entries = data.get("defaults") if isinstance(data, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        for name in _default_entry_names(entry):
+            rel = name[1:] if name.startswith("/") else f"{group}/{name}"
+            found = next((d / f"{rel}.yaml" for d in search_dirs if (d / f"{rel}.yaml").is_file()), None)
+            if found is None or found.resolve() in seen:
+                continue
+            seen.add(found.resolve())
+            _check_yaml_file(found, header=False)
+            check_included_files(found, rel.rpartition("/")[0], search_dirs, seen)
 
 
 def _check_sections_are_mappings(path: Path, tree: Dict[str, Any], defaults: Dict[str, Any], prefix: str) -> None:
@@ -988,6 +1027,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 continue
             if key.startswith("+config/"):
                 option, overlay = _resolve_overlay(key[1:], value, search_dirs)
+                check_included_files(overlay, key[1:], search_dirs)
                 added_keys += declared_added_keys(overlay)
                 overlay_files.append(overlay)
                 hydra_overrides.append(f"{key}={option}")
@@ -1021,6 +1061,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
         user_file = None
         if experiment is not None:
             option, extra_dirs, experiment_file = _resolve_experiment(experiment, Path(tmpdir))
+            check_included_files(experiment_file, f"config/{option}".rpartition("/")[0], extra_dirs + search_dirs)
             added_keys += declared_added_keys(experiment_file)
             hydra_overrides.insert(0, f"config={option}")
             user_file = experiment.strip() if option == _USER_FILE else None

@@ -163,6 +163,11 @@ ROWS: List[Row] = [
       ("config file {fx}/tree/config/parts/data_list.yaml: config.DATA holds a list, but it is a section",)),
     R("yaml-included-by-defaults-has-a-null-key", ("config={fx}/tree/config/exp/uses_null_key.yaml",),
       ("malformed yaml in {fx}/tree/config/parts/null_key.yaml:3: a mapping key is null",), tool=False),
+    # hydra merges ??? as "no value here": the run trained from a random init (PARAMS_FILE kept its
+    # earlier value, ''), exit 0, with nothing said
+    R("yaml-placeholder-left-unset", ("config={fx}/placeholder.yaml",),
+      ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE is ??? in {fx}/placeholder.yaml (a value left to be given)",
+       "config.MODEL.WEIGHTS_INIT.PARAMS_FILE=..."), folder="fresh"),
     R("config-no-such-name", ("config=quick/supervised_digit",),
       ("config=quick/supervised_digit matches no file", "nearest: quick/supervised_digits",
        "SSL_ENGINE_CONFIG_DIR is not set (set it to a folder holding config/quick/supervised_digit.yaml)")),
@@ -597,6 +602,10 @@ def make_fixture_files(fx: Path) -> None:
             f"# @package _global_\ndefaults: [/config/quick/supervised_digits, /config/parts/{part}, _self_]\n"
             "config:\n  LOG_FREQUENCY: 3\n"
         )
+    (fx / "placeholder.yaml").write_text(
+        "# @package _global_\ndefaults: [/config/quick/supervised_digits, _self_]\nconfig:\n  MODEL:\n"
+        "    WEIGHTS_INIT:\n      PARAMS_FILE: ???\n"
+    )
     (fx / "duplicate.yaml").write_text("# @package _global_\nconfig:\n  LOG_FREQUENCY: 3\n  LOG_FREQUENCY: 4\n")
     (fx / "empty").mkdir(exist_ok=True)
     from PIL import Image

@@ -492,16 +492,18 @@ def _default_entry_names(entry: Any) -> List[str]:
     return names
 
 
-def check_included_files(path: Path, group: str, search_dirs: Sequence[Path], seen: Optional[Set[Path]] = None) -> None:
+def check_included_files(path: Path, group: str, search_dirs: Sequence[Path],
+                         seen: Optional[Set[Path]] = None) -> List[Path]:
     """Check the files ``path``'s ``defaults:`` list merges (and theirs) as ``path`` itself is
     checked: hydra reads them with its own errors, which name no key or file ("Cannot merge
     DictConfig with ListConfig", "ConfigCompositionException") or are yaml's raw text. ``group``
     is the folder of ``path`` below the search path (``config``, ``config/quick``), against which
     hydra reads an entry without a leading ``/``. An entry that matches no file is left to hydra
-    (its error is explained by :func:`_explain_missing_default`)."""
+    (its error is explained by :func:`_explain_missing_default`). Returns the files checked."""
     seen = set() if seen is None else seen
     data = read_yaml_file(path)
     entries = data.get("defaults") if isinstance(data, dict) else None
+    checked = []
     for entry in entries if isinstance(entries, list) else []:
         for name in _default_entry_names(entry):
             rel = name[1:] if name.startswith("/") else f"{group}/{name}"
@@ -510,7 +512,35 @@ def check_included_files(path: Path, group: str, search_dirs: Sequence[Path], se
                 continue
             seen.add(found.resolve())
             _check_yaml_file(found, header=False)
-            check_included_files(found, rel.rpartition("/")[0], search_dirs, seen)
+            checked += [found] + check_included_files(found, rel.rpartition("/")[0], search_dirs, seen)
+    return checked
+
+
+def placeholder_keys(tree: Any, prefix: str = "") -> List[str]:
+    """The dotted keys a yaml file leaves ``???``, omegaconf's mark of a value still to be given."""
+    if not isinstance(tree, dict):
+        return []
+    keys = []
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        keys += placeholder_keys(v, key) if isinstance(v, dict) else [key] if v == "???" else []
+    return keys
+
+
+def _check_placeholders_given(files: Sequence[Path], given: Set[str], merged: "_MergedFiles") -> None:
+    """A ``KEY: ???`` that no later file and no override sets is an error naming the key and the
+    file. hydra merges ``???`` as "no value here": the run went on with the value from before the
+    file (a base experiment's num_epochs, an empty PARAMS_FILE: a random trunk), unseen."""
+    for path in files:
+        for key in placeholder_keys(read_yaml_file(path)):
+            if not key.startswith("config.") or any(key == g or key.startswith(g + ".") for g in given):
+                continue
+            where, value = merged.last_setting(key)
+            if where is not None and value == "???":
+                raise ConfigError(
+                    f"{key} is ??? in {where} (a value left to be given), and no override gives it; set it on the "
+                    f"command line ({key}=...) or in the file"
+                )
 
 
 def _check_sections_are_mappings(path: Path, tree: Dict[str, Any], defaults: Dict[str, Any], prefix: str) -> None:
@@ -1012,6 +1042,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
     command_line: List[str] = []  # the overrides' keys: they win over a yaml file's older layout
     experiment: Optional[str] = None
     overlay_files: List[Path] = []
+    yaml_files: List[Path] = []  # the experiment's, overlays' and those their defaults: lists merge
     deleted: List[str] = []  # keys a ~config.X override deleted
     remove_stale_scratch_folders()
     with tempfile.TemporaryDirectory(prefix=scratch_folder_prefix(os.getpid())) as tmpdir:
@@ -1027,7 +1058,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
                 continue
             if key.startswith("+config/"):
                 option, overlay = _resolve_overlay(key[1:], value, search_dirs)
-                check_included_files(overlay, key[1:], search_dirs)
+                yaml_files += [overlay] + check_included_files(overlay, key[1:], search_dirs)
                 added_keys += declared_added_keys(overlay)
                 overlay_files.append(overlay)
                 hydra_overrides.append(f"{key}={option}")
@@ -1061,7 +1092,8 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
         user_file = None
         if experiment is not None:
             option, extra_dirs, experiment_file = _resolve_experiment(experiment, Path(tmpdir))
-            check_included_files(experiment_file, f"config/{option}".rpartition("/")[0], extra_dirs + search_dirs)
+            yaml_files[:0] = [experiment_file] + check_included_files(
+                experiment_file, f"config/{option}".rpartition("/")[0], extra_dirs + search_dirs)
             added_keys += declared_added_keys(experiment_file)
             hydra_overrides.insert(0, f"config={option}")
             user_file = experiment.strip() if option == _USER_FILE else None
@@ -1083,6 +1115,7 @@ def compose(overrides: Optional[List[str]] = None, warn_unused: bool = True) -> 
             files = merged.contents() or [read_yaml_file(f) for f in overlay_files]
             kept = command_line + keys_set_at_new_places(files, older_on_command_line)
         set_here = {k.lstrip("+~") for k in command_line}
+        _check_placeholders_given(yaml_files, set_here | set(deleted), merged)
         return validate(root, load_defaults(), added_keys=added_keys, warn_unused=warn_unused, command_line=kept,
                         where=lambda key: None if key in set_here else merged.setting(key))
 
@@ -1107,10 +1140,17 @@ class _MergedFiles:
 
     def setting(self, key: str) -> Optional[str]:
         """The last merged file that sets the dotted ``key`` (the user's own file by the path given)."""
+        return self.last_setting(key)[0]
+
+    def last_setting(self, key: str) -> Tuple[Optional[str], Any]:
+        """(the last merged file that sets the dotted ``key``, the value it gives); (None, None) if none."""
         found = _setting_in(self._list(), key)
-        if found is not None and self._user_file and Path(found[0]).resolve().is_relative_to(self._tmp.resolve()):
-            return self._user_file
-        return found[0] if found else None
+        if found is None:
+            return None, None
+        path, value = found
+        if self._user_file and Path(path).resolve().is_relative_to(self._tmp.resolve()):
+            return self._user_file, value
+        return path, value
 
 
 _MISSING = object()

@@ -402,6 +402,9 @@ ROWS: List[Row] = [
     # -- model, optimizer ---------------------------------------------------------------------------
     R("head-input-dim-mismatch", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[64,10]}]]",),
       ("MODEL.HEAD.PARAMS[0]", "dims[0]=64", "gives 16 features")),
+    # a quoted "false" is a non-empty string, true to Python: the head was built with BatchNorm, silently
+    R("head-switch-not-a-bool", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,10],use_bn:'false'}]]",),
+      ("config.MODEL.HEAD.PARAMS[0] (mlp): use_bn='false' must be true or false",), folder="fresh"),
     R("head-fewer-classes-than-labels", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,2]}]]",),
       ("MODEL.HEAD.PARAMS[0] (mlp)", "outputs 2 classes", "config.DATA.TRAIN has label 9", "at least 10 classes")),
     R("head-fewer-classes-than-class-folders", ("config.MODEL.HEAD.PARAMS=[[mlp,{dims:[16,1]}]]",

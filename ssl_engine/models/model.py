@@ -78,6 +78,19 @@ def bad_trunk_output(trunk: nn.Module, name: str, out: Any) -> UserError:
     )
 
 
+def _check_switches(signature: inspect.Signature, params: Dict[str, Any], where: str) -> None:
+    """A UserError for a head option annotated ``bool`` that is given another value: a quoted
+    ``use_bn: "false"`` is a non-empty string, which Python reads as true: the head was built
+    with the BatchNorm layers the user turned off, and nothing said so (0 and 1 pass, as bools do)."""
+    for key, value in params.items():
+        param = signature.parameters.get(key)
+        if param is None or param.annotation not in (bool, "bool") or isinstance(value, bool):
+            continue
+        if isinstance(value, int) and value in (0, 1):
+            continue
+        raise UserError(f"{where}: {key}={value!r} must be true or false")
+
+
 def _build_head_module(model_config: AttrDict, spec: Any, where: str) -> Tuple[str, nn.Module]:
     """One ``[name, params]`` entry -> (name, module), checking the params against the constructor."""
     if not (
@@ -93,12 +106,14 @@ def _build_head_module(model_config: AttrDict, spec: Any, where: str) -> Tuple[s
     params = dict(spec[1] or {}) if len(spec) == 2 else {}
     head_cls = HEADS.get(name)
     try:
-        inspect.signature(head_cls).bind(model_config, **params)
+        signature = inspect.signature(head_cls)
+        signature.bind(model_config, **params)
     except TypeError as err:
         accepted = accepted_params(head_cls, skip=1)  # after the model config
         raise UserError(
             f"{where}: bad params {sorted(params)} for head {name!r} ({err}); it accepts: {', '.join(accepted)}"
         ) from None
+    _check_switches(signature, params, f"{where} ({name})")
     module = head_cls(model_config, **params)
     module.config_key = f"{where} ({name})"  # how run-time errors name it (see heads/mlp.py head_where)
     return name, module

@@ -788,6 +788,27 @@ def unloadable_value(state: Any, path: str = "") -> Optional[Tuple[str, str]]:
     return (path or "the state", type(state).__name__)
 
 
+def _refuse_torchscript(path: Path) -> None:
+    """A TorchScript archive (``torch.jit.save``, a ``.pt`` a model zoo or an export gives) is no
+    checkpoint: torch.load warned twice and handed it to torch.jit.load, and the error then said
+    "truncated or corrupt", which it is not. Say what it is and what to save instead."""
+    import zipfile
+
+    try:
+        if not zipfile.is_zipfile(path):
+            return
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile, RuntimeError, ValueError):
+        return  # torch.load says what is wrong with it
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        raise CheckpointError(
+            f"checkpoint {path} is a TorchScript archive (torch.jit.save), not a file of weights written by "
+            f"torch.save: it is not read; save the model's weights with torch.save(model.state_dict(), path) "
+            f"(a scripted model's too) and name that file"
+        )
+
+
 def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Read a checkpoint on the CPU without executing code.
 
@@ -797,6 +818,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    _refuse_torchscript(path)
     try:
         with warnings.catch_warnings():  # torch warns of a pickle protocol it did not write; the error says more
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -822,6 +844,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
 def peek_checkpoint(path: Path) -> Dict[str, Any]:
     """A checkpoint's structure without reading its tensor data (tensors come back on the meta
     device); loads with weights_only, so a file carrying pickled code is refused, never run."""
+    _refuse_torchscript(Path(path))
     try:
         data = torch.load(str(path), map_location="meta", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - old formats cannot be mmapped; load_checkpoint explains real problems

@@ -14,6 +14,7 @@ import shutil
 import string
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Tuple
@@ -516,6 +517,14 @@ ROWS: List[Row] = [
       ("config.CHECKPOINT.RESUME_FROM", "{fx}/nothere.torch", "does not exist"), tool=False),
     R("resume-from-truncated", ("config.CHECKPOINT.RESUME_FROM={fx}/truncated.torch",),
       ("config.CHECKPOINT.RESUME_FROM: checkpoint {fx}/truncated.torch is truncated or corrupt",), tool=False),
+    # a TorchScript archive (torch.jit.save): torch.load printed two warnings and the line said
+    # "is truncated or corrupt: its zip archive cannot be read", which it is not
+    R("resume-from-torchscript", ("config.CHECKPOINT.RESUME_FROM={fx}/scripted.pt",),
+      ("config.CHECKPOINT.RESUME_FROM: checkpoint {fx}/scripted.pt is a TorchScript archive (torch.jit.save)",
+       "torch.save(model.state_dict(), path)")),
+    R("weights-file-torchscript", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/scripted.pt",),
+      ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE: checkpoint {fx}/scripted.pt is a TorchScript archive",), folder="fresh",
+      tool=False),
     R("resume-from-a-device", ("config.CHECKPOINT.RESUME_FROM=/dev/null",),
       ("config.CHECKPOINT.RESUME_FROM: '/dev/null' is a character device; name a checkpoint file",), tool=False),
     R("resume-from-a-link-loop", ("config.CHECKPOINT.RESUME_FROM={fx}/loop.torch",),
@@ -639,6 +648,9 @@ def make_fixture_files(fx: Path) -> None:
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")
     torch.save({"phase_idx": 0, "classy_state_dict": {"base_model": Payload(str(fx / "PWNED"))}}, fx / "payload.torch")
     (fx / "garbage.torch").write_bytes(b"not a checkpoint")
+    with warnings.catch_warnings():  # torch.jit.script / save are deprecated: the files they wrote are still about
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(torch.nn.Linear(3, 4)), str(fx / "scripted.pt"))
     write_dataset("CIFAR10", fx / "cifar", n_train=10, n_test=4)
     shutil.copytree(fx / "cifar", fx / "cifar_truncated")
     batch = fx / "cifar_truncated" / "cifar-10-batches-py" / "data_batch_2"

@@ -886,7 +886,11 @@ def _unreadable_because(path: Path, error: Exception) -> str:
         return f"cannot be read: {e.strerror}"
     if size == 0:
         return "is empty (0 bytes)"
-    if head.startswith(b"PK"):  # torch.save's zip format
+    if head.startswith(b"PK"):  # torch.save's zip format, or another program's zip (np.savez, a zip of files)
+        records = _zip_records(path)
+        if records and not any(r.endswith("data.pkl") for r in records):
+            return (f"is a zip archive that torch.save did not write (it holds {first_few(records, 3)}; np.savez "
+                    f"writes such .npz files): save the weights with torch.save ({size} bytes)")
         return f"is truncated or corrupt: its zip archive cannot be read ({size} bytes)"
     if head[:3] == b"\x80\x02\x8a" or (head[:1] == b"\x80" and last != b"."):
         # torch's legacy format (protocol 2, then its magic number), or a pickle cut before its STOP
@@ -895,6 +899,17 @@ def _unreadable_because(path: Path, error: Exception) -> str:
         return (f"is a file of Python's pickle (protocol {head[1]}), not one written by torch.save: it is not "
                 f"read, as loading it could run code ({size} bytes)")
     return f"is not a file written by torch.save (it starts with {head!r}, {size} bytes)"
+
+
+def _zip_records(path: Path) -> List[str]:
+    """The record names of the zip archive ``path``; empty when it cannot be read as one (cut short)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.namelist()
+    except (OSError, zipfile.BadZipFile, RuntimeError, ValueError):
+        return []
 
 
 def damaged_record(path: Path) -> Optional[str]:

@@ -525,6 +525,10 @@ ROWS: List[Row] = [
     R("weights-file-torchscript", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/scripted.pt",),
       ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE: checkpoint {fx}/scripted.pt is a TorchScript archive",), folder="fresh",
       tool=False),
+    # np.savez's .npz is a zip too: the line said "truncated or corrupt: its zip archive cannot be read"
+    R("weights-file-npz", ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE={fx}/weights.npz",),
+      ("config.MODEL.WEIGHTS_INIT.PARAMS_FILE: checkpoint {fx}/weights.npz is a zip archive that torch.save did not "
+       "write (it holds 'fc.npy'", "save the weights with torch.save"), folder="fresh"),
     R("resume-from-a-device", ("config.CHECKPOINT.RESUME_FROM=/dev/null",),
       ("config.CHECKPOINT.RESUME_FROM: '/dev/null' is a character device; name a checkpoint file",), tool=False),
     R("resume-from-a-link-loop", ("config.CHECKPOINT.RESUME_FROM={fx}/loop.torch",),
@@ -648,6 +652,7 @@ def make_fixture_files(fx: Path) -> None:
     torch.save({"foo": torch.zeros(3), "bar": {"baz": torch.ones(2)}}, fx / "foreign.torch")
     torch.save({"phase_idx": 0, "classy_state_dict": {"base_model": Payload(str(fx / "PWNED"))}}, fx / "payload.torch")
     (fx / "garbage.torch").write_bytes(b"not a checkpoint")
+    np.savez(fx / "weights.npz", fc=np.zeros(3))
     with warnings.catch_warnings():  # torch.jit.script / save are deprecated: the files they wrote are still about
         warnings.simplefilter("ignore")
         torch.jit.save(torch.jit.script(torch.nn.Linear(3, 4)), str(fx / "scripted.pt"))

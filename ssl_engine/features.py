@@ -219,8 +219,9 @@ def _shard_paths(folder: Path, split: str, layer: str) -> List[Tuple[Tuple[int, 
     """The (rank, chunk) -> files of one split and layer, sorted; a clear error when none or partial."""
     folder = Path(folder)
     split = split.lower()
-    if not folder.is_dir():
-        raise FeatureShardError(f"features folder {folder} does not exist")
+    if not folder.is_dir():  # a file (a shard itself, say) is named as one: "does not exist" misled
+        what = "is a file, not the folder of shards" if folder.exists() else "does not exist"
+        raise FeatureShardError(f"features folder {folder} {what}")
     check_finished(folder, split)
     index = _index(folder)
     shards = index.get((split, layer))

@@ -444,6 +444,12 @@ def _check_split(folder: Path, split: str, layer: str, shards: Sequence[FeatureS
     # samples whose image could not be read were left out by the extraction, which names them
     left_out = np.asarray(sorted({int(i) for i in status.get("unreadable") or [] if isinstance(i, int)}), np.int64)
     written = np.setdiff1d(np.arange(n + len(left_out)), left_out) if len(left_out) else None
+    if n and sorted_inds[0] < 0:  # was "indices run from -16 to 39; 0 are missing", which none are
+        bad = next(s for s in shards if len(s.inds) and int(np.min(s.inds)) < 0)
+        raise FeatureShardError(
+            f"{where}: {bad.name} holds the sample index {int(np.min(bad.inds))}; a sample index is >= 0 (the shard was "
+            f"changed, or written by another program), extract again"
+        )
     if n and (not np.array_equal(sorted_inds, written) if written is not None
               else sorted_inds[0] != 0 or sorted_inds[-1] != n - 1):
         expected = int(sorted_inds[-1]) + 1

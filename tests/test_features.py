@@ -364,6 +364,8 @@ def test_remove_shards_only_touches_the_split(tmp_path: Path) -> None:
         ("empty", "no feature shards for split 'train' and layer 'res5avg'"),
         ("missing_folder", "does not exist"),
         # a shard named where its folder belongs was said not to exist
+        # was "10 samples but indices run from -1 to 9; 0 are missing"
+        ("negative_index", "rank0_chunk0_train_res5avg holds the sample index -1; a sample index is >= 0"),
         ("file_for_folder", "features folder .*rank0_chunk0_train_res5avg_features.npy is a file, not the folder of shards"),
         ("no_targets", "has no targets file"),
         ("duplicate", "sample index 0 appears more than once \\(10 repeats\\); shards of two extractions are mixed"),
@@ -387,6 +389,10 @@ def test_loader_explains_empty_or_inconsistent_folders(tmp_path: Path, damage: s
     folder.mkdir()
     if damage == "missing_folder":
         folder = tmp_path / "nope"
+    elif damage == "negative_index":
+        write_split(folder, "train", np.arange(10))
+        inds = np.load(shard_path(folder, 0, 0, "train", "res5avg", "inds"))
+        np.save(shard_path(folder, 0, 0, "train", "res5avg", "inds"), np.where(inds == 0, -1, inds))
     elif damage == "file_for_folder":
         write_split(folder, "train", np.arange(10))
         folder = shard_path(folder, 0, 0, "train", "res5avg", "features")

@@ -1402,17 +1402,27 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
             f"to the model it was trained with (e.g. RESNETS.DEPTH), or name those blocks in "
             f"config.MODEL.WEIGHTS_INIT.SKIP_LAYERS to leave them out"
         )
+    # the advice maps onto names this run would load: not SKIP_LAYERS, not heads it leaves out
+    loadable = {k: v for k, v in own.items()
+                if not any(s in k for s in skip) and (loads_head_weights(model_cfg) or not k.startswith("heads."))}
+    advice = ("the file's classy_state_dict is mapped by its trunk/heads layout (REMOVE_PREFIX / APPEND_PREFIX do "
+              "not apply to it); set STATE_DICT_KEY_NAME to read another key of the file"
+              if layout_mapped else _prefix_advice(weights, loadable))
     if not loaded:
-        # the advice maps onto names this run would load: not SKIP_LAYERS, not heads it leaves out
-        heads_load = loads_head_weights(model_cfg)
-        loadable = {k: v for k, v in own.items()
-                    if not any(s in k for s in skip) and (heads_load or not k.startswith("heads."))}
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: none of its {len(renamed)} weights match the model "
-            f"(first file key {next(iter(renamed), '-')!r}, first model key {next(iter(own), '-')!r}); "
-            + ("the file's classy_state_dict is mapped by its trunk/heads layout (REMOVE_PREFIX / APPEND_PREFIX do "
-               "not apply to it); set STATE_DICT_KEY_NAME to read another key of the file"
-               if layout_mapped else _prefix_advice(weights, loadable))
+            f"(first file key {next(iter(renamed), '-')!r}, first model key {next(iter(own), '-')!r}); {advice}"
+        )
+    # the heads loaded but not one trunk weight, though the file has trunk weights under other names
+    # (a wrapper's prefix inside the trunk, 'trunk.module._feature_blocks...'): the run would train a
+    # random trunk under a pretrained head, which no one asks for (SKIP_LAYERS leaves a trunk out)
+    trunk_own = [k for k in loadable if k.startswith("trunk.") and not k.endswith("num_batches_tracked")]
+    trunk_unmatched = [k for k in unexpected if k.startswith("trunk.")]
+    if trunk_own and trunk_unmatched and not any(k.startswith("trunk.") for k in counted):
+        raise UserError(
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: none of its {len(trunk_unmatched)} trunk weights match "
+            f"the model's (first file trunk key {trunk_unmatched[0]!r}, first model trunk key {trunk_own[0]!r}), "
+            f"only {len(counted)} head weights do: the trunk would train from its random init; {advice}"
         )
     _refuse_non_finite(new_state, path)
     model.load_state_dict(new_state, strict=False)

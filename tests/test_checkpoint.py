@@ -501,6 +501,23 @@ def test_prefixes_do_not_apply_to_a_classy_state_dict_as_in_vissl(tmp_path, capl
                                                                  APPEND_PREFIX="trunk."))
 
 
+def test_a_file_whose_heads_load_but_none_of_its_trunk_weights_is_refused(tmp_path):
+    """A VISSL file whose trunk was saved inside a wrapper (trunk keys 'module._feature_blocks.*'):
+    the heads loaded, not one trunk weight did, and the run trained a random trunk under the
+    pretrained head after a warning (exit 0). A trunk left out on purpose (SKIP_LAYERS) still loads."""
+    src = resnet18_model()
+    vissl_layout_file(tmp_path / "wrapped.torch", src, trunk_prefix="module.")
+    with pytest.raises(UserError, match=r"none of its \d+ trunk weights match the model's \(first file trunk key "
+                                        r"'trunk.module._feature_blocks.conv1.weight'.*only 2 head weights do"):
+        ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "wrapped.torch",
+                                                                 STATE_DICT_KEY_NAME="classy_state_dict"))
+    model = resnet18_model()
+    report = ck.init_model_from_weights(model, weights_cfg(tmp_path / "wrapped.torch", STATE_DICT_KEY_NAME="classy_state_dict",
+                                                           SKIP_LAYERS=["trunk."]))
+    assert sorted(report["loaded"]) == ["heads.0.clf.0.bias", "heads.0.clf.0.weight"], report["loaded"]
+    assert torch.equal(model.heads[0].clf[0].weight, src.heads[0].clf[0].weight)
+
+
 def test_a_vissl_feature_extractor_trunk_loads_without_its_base_model_prefix(tmp_path):
     """A trunk saved by a VISSL feature evaluation is named base_model._feature_blocks.*; VISSL
     drops base_model. for a model that is not a feature extractor, and so do we."""

@@ -1017,15 +1017,19 @@ def test_a_temp_dir_too_long_for_sockets_with_nowhere_else_is_a_user_error(tmp_p
     assert short.returncode == 0 and short.stdout == ""  # a short temp dir: nothing to do
 
 
-def test_killed_run_leaves_no_forkserver_workers(tmp_path: Path) -> None:
-    """SIGKILL of a one-process run whose loader workers come from a forkserver: the workers
-    (which ignore SIGTERM) and the forkserver end on their own within seconds."""
+@pytest.mark.parametrize("ranks, workers, epochs", [(1, 2, 50), (2, 1, 500)], ids=["one-rank", "two-ranks"])
+def test_a_killed_forkserver_launcher_leaves_no_process(tmp_path: Path, ranks: int, workers: int, epochs: int) -> None:
+    """SIGKILL of the launcher alone (the OOM killer, `kill -9 <pid>`) of a run whose ranks (two
+    ranks) or loader workers (one rank) come from a forkserver: the workers, which ignore SIGTERM,
+    the ranks and the forkserver end on their own within seconds. PR_SET_PDEATHSIG watched a
+    forkserver rank's parent, the forkserver, which every rank keeps alive: the two ranks trained
+    on to the end, writing checkpoints into the folder a rerun resumes from."""
     marker = f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}"
     folder = tmp_path / "run"
     base = [o for o in SUPERVISED if not o.startswith("config.OPTIMIZER.num_epochs")]
-    cmd = [sys.executable, str(TOOL), *base, f"config.CHECKPOINT.DIR={folder}",
-           "config.MULTI_PROCESSING_METHOD=forkserver", "config.DATA.NUM_DATALOADER_WORKERS=2",
-           "config.OPTIMIZER.num_epochs=50"]
+    cmd = [sys.executable, str(TOOL), *base, *(per_rank(ranks) if ranks > 1 else []), f"config.CHECKPOINT.DIR={folder}",
+           "config.MULTI_PROCESSING_METHOD=forkserver", f"config.DATA.NUM_DATALOADER_WORKERS={workers}",
+           f"config.OPTIMIZER.num_epochs={epochs}"]
     env = tool_env({marker.split("=")[0]: marker.split("=")[1]})
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -1033,35 +1037,8 @@ def test_killed_run_leaves_no_forkserver_workers(tmp_path: Path) -> None:
         while not (folder / "stdout.json").exists() and time.time() < deadline:  # training has started
             time.sleep(0.2)
         assert (folder / "stdout.json").exists(), "the run did not start training"
-        workers = [p for p in processes_with(marker) if p != proc.pid]
-        assert len(workers) >= 3  # the forkserver and two workers
-        proc.kill()
-        proc.wait()
-        assert processes_left(marker, 20) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in processes_with(marker):
-            os.kill(pid, signal.SIGKILL)
-
-
-def test_ranks_started_by_a_forkserver_die_with_their_launcher(tmp_path: Path) -> None:
-    """SIGKILL of the launcher alone (the OOM killer, `kill -9 <pid>`) of a two-rank forkserver
-    run: PR_SET_PDEATHSIG watched the ranks' parent, the forkserver, which every rank keeps alive,
-    so the ranks trained on to the end, writing checkpoints into the folder a rerun resumes from.
-    They, their loader workers and the forkserver now end within seconds."""
-    marker = f"SSL_ENGINE_TEST_MARKER={uuid.uuid4().hex}"
-    folder = tmp_path / "run"
-    base = [o for o in SUPERVISED if not o.startswith("config.OPTIMIZER.num_epochs")]
-    cmd = [sys.executable, str(TOOL), *base, *per_rank(2), f"config.CHECKPOINT.DIR={folder}",
-           "config.MULTI_PROCESSING_METHOD=forkserver", "config.DATA.NUM_DATALOADER_WORKERS=1", "config.OPTIMIZER.num_epochs=500"]
-    env = tool_env({marker.split("=")[0]: marker.split("=")[1]})
-    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 180
-        while not (folder / "stdout.json").exists() and time.time() < deadline:  # training has started
-            time.sleep(0.2)
-        assert (folder / "stdout.json").exists(), "the run did not start training"
+        children = [p for p in processes_with(marker) if p != proc.pid]
+        assert len(children) >= 1 + ranks * workers  # the forkserver and every rank's workers
         proc.kill()  # the launcher only, not its process group
         proc.wait()
         assert processes_left(marker, 20) == []

@@ -8,7 +8,7 @@ import re
 import subprocess
 import threading
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
@@ -726,23 +726,31 @@ def test_extraction_refuses_augmented_multi_view_batches(pretrained: Path, tmp_p
     assert err[-1].startswith("error: ") and "2 inputs per sample" in err[-1] and "ImgReplicatePil" in err[-1]
 
 
+def start_two_rank_extraction(pretrained: Path, out: Path, chunk: int) -> Tuple[List[str], subprocess.Popen]:
+    """(the arguments, the running tool) of a two-rank extraction of the digits' TRAIN split into
+    ``out`` in chunks of ``chunk`` samples, for tests that signal or kill it on its way."""
+    import sys
+
+    from conftest import TOOL, tool_env
+
+    args = ["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
+            f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
+            f"config.EXTRACT_FEATURES.CHUNK_THRESHOLD={chunk}", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
+    proc = subprocess.Popen([sys.executable, TOOL, *args], cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return args, proc
+
+
 def test_a_preemption_signal_stops_extraction_and_the_rerun_completes(pretrained: Path, tmp_path: Path) -> None:
     """SIGTERM in the middle of a split: exit 3 at the next batch, complete shards only, the split
     marked unfinished (readers refuse it); the same command then extracts it in full. Two ranks:
     the launcher forwards the signal, each rank stops on its own flag and reports code 3."""
     import signal
-    import sys
     import time
 
-    from conftest import TOOL, tool_env
-
     out = tmp_path / "out"
-    args = ["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
-            f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
-            "config.EXTRACT_FEATURES.CHUNK_THRESHOLD=32", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
-            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
-    proc = subprocess.Popen([sys.executable, TOOL, *args], cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args, proc = start_two_rank_extraction(pretrained, out, chunk=32)
     deadline = time.time() + 240
     while not list(out.glob("rank0_chunk0_train_*inds.npy")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -770,18 +778,10 @@ def test_a_rank_killed_mid_shard_leaves_no_temp_file_or_lock_in_the_feature_fold
     took the lock over with a warning). The feature folder is cleaned as the checkpoint folder is."""
     import os
     import signal
-    import sys
     import time
 
-    from conftest import TOOL, tool_env
-
     out = tmp_path / "out"
-    args = ["config=extract/simclr_digits_trunk", f"config.CHECKPOINT.DIR={pretrained}",
-            f"config.EXTRACT_FEATURES.OUTPUT_DIR={out}", "config.EXTRACT_FEATURES.SPLITS=[TRAIN]",
-            "config.EXTRACT_FEATURES.CHUNK_THRESHOLD=64", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
-            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
-    proc = subprocess.Popen([sys.executable, TOOL, *args], cwd=str(REPO), env=tool_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    _, proc = start_two_rank_extraction(pretrained, out, chunk=64)
     deadline = time.time() + 240
     writing: List[Path] = []
     while not writing and proc.poll() is None and time.time() < deadline:

@@ -988,7 +988,7 @@ def test_sigint_is_ignored_after_the_atexit_functions_registered_while_the_comma
             atexit.register(lambda: seen.update(during=callable(signal.getsignal(signal.SIGINT))))  # as torch's
             return 0
         cli.prepare_config = lambda overrides, **kwargs: None
-        sys.exit(cli.run_command([], body, tool_process=True))
+        sys.exit(cli.run_command(["config=quick/simclr_synthetic"], body, tool_process=True))
         """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

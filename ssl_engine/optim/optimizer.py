@@ -168,17 +168,6 @@ def get_param_groups(
     return groups
 
 
-def single_param_group(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """Every trainable parameter in one group with ``weight_decay``: VISSL's
-    ``construct_single_param_group_only`` (made for FSDP's flattened parameters), which puts
-    normalization weights and biases under weight decay too, whatever ``regularize_bn``,
-    ``regularize_bias`` and ``non_regularized_parameters`` say."""
-    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))  # a shared one once
-    if not params:
-        raise UserError(f"the model has no trainable parameters for config.OPTIMIZER to optimize: {_why_frozen(model)}")
-    return [{"params": params, "weight_decay": float(weight_decay), "name": "all"}]
-
-
 def _why_frozen(model: nn.Module) -> str:
     """What froze every parameter of ``model``, and what to do about it (for the error above)."""
     fes = "config.MODEL.FEATURE_EVAL_SETTINGS"
@@ -460,7 +449,10 @@ def build_optimizer(
             raise UserError(f"{OPT_KEY}.construct_single_param_group_only=true puts every parameter in one group, "
                             f"which leaves no group for {OPT_KEY}.head_optimizer_params.use_different_lr / "
                             f"use_different_wd: set one of them to false")
-        groups = single_param_group(model, weight_decay)
+        # VISSL's one group (made for FSDP's flattened parameters): weight decay on every parameter,
+        # normalization weights and biases too, whatever regularize_bn/_bias and
+        # non_regularized_parameters say
+        groups = get_param_groups(model, weight_decay, regularize_bn=True, regularize_bias=True)
         logger.info("%s.construct_single_param_group_only: one param group, weight_decay=%g on every parameter "
                     "(regularize_bn, regularize_bias and non_regularized_parameters are not read, as in VISSL)",
                     OPT_KEY, weight_decay)

@@ -146,7 +146,15 @@ def write_failure(path: Path, e: BaseException) -> Optional[CheckpointError]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (as any user)."""
+    """Whether process ``pid`` runs (as any user). A zombie (ended, not yet reaped by its parent)
+    does not: a launcher killed under a parent that has not waited for it yet is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc (macOS): ask the kernel whether the pid exists
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -239,7 +239,9 @@ def _die_with_launcher(launcher_pid: int) -> None:
 
     def wait() -> None:
         if fd is not None:
-            select.select([fd], [], [])  # readable once the launcher has ended
+            poller = select.poll()  # not select.select, which refuses a descriptor >= 1024
+            poller.register(fd, select.POLLIN)
+            poller.poll()  # readable once the launcher has ended
         else:
             from ssl_engine.checkpoint import pid_alive
 

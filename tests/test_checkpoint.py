@@ -858,3 +858,26 @@ def test_the_state_dict_key_name_error_says_what_the_empty_name_would_read(tmp_p
     with pytest.raises(CheckpointError) as e:
         ck.init_model_from_weights(resnet18_model(), weights_cfg(tmp_path / "bare.torch", STATE_DICT_KEY_NAME="model"))
     assert str(e.value).endswith("; '' reads the file itself as the weights"), str(e.value)
+
+
+def test_pid_alive_counts_a_zombie_as_gone():
+    """A process that ended but was not yet reaped by its parent (a launcher killed under a shell
+    that has not waited for it) is a zombie: kill(pid, 0) still finds it, yet it runs no more. The
+    forkserver ranks and loader workers that watch their launcher by pid must see it gone."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:  # not reaped: Popen.poll / wait are not called yet
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                    break
+            time.sleep(0.05)
+        assert not ck.pid_alive(child.pid)
+        assert ck.pid_alive(os.getpid())
+    finally:
+        child.wait()
+    assert not ck.pid_alive(child.pid)

@@ -153,23 +153,6 @@ def remove_unsent_batch_files(main_pids: List[int]) -> None:
                 pass
 
 
-def _process_gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] in (b"Z", b"X")
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc: ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-
 def _exit_when_gone(main_pid: int, every_s: float = 1.0) -> None:
     """End this worker once the training process is gone.
 
@@ -177,7 +160,9 @@ def _exit_when_gone(main_pid: int, every_s: float = 1.0) -> None:
     forkserver, not the training process; after a SIGKILL of the training process such workers
     (which ignore SIGTERM, see above) would otherwise live on, and keep the forkserver alive.
     """
-    while not _process_gone(main_pid):
+    from ssl_engine.checkpoint import pid_alive
+
+    while pid_alive(main_pid):
         time.sleep(every_s)
     _exit_worker(0)
 

@@ -796,27 +796,6 @@ def unloadable_value(state: Any, path: str = "") -> Optional[Tuple[str, str]]:
     return (path or "the state", type(state).__name__)
 
 
-def _refuse_torchscript(path: Path) -> None:
-    """A TorchScript archive (``torch.jit.save``, a ``.pt`` a model zoo or an export gives) is no
-    checkpoint: torch.load warned twice and handed it to torch.jit.load, and the error then said
-    "truncated or corrupt", which it is not. Say what it is and what to save instead."""
-    import zipfile
-
-    try:
-        if not zipfile.is_zipfile(path):
-            return
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (OSError, zipfile.BadZipFile, RuntimeError, ValueError):
-        return  # torch.load says what is wrong with it
-    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
-        raise CheckpointError(
-            f"checkpoint {path} is a TorchScript archive (torch.jit.save), not a file of weights written by "
-            f"torch.save: it is not read; save the model's weights with torch.save(model.state_dict(), path) "
-            f"(a scripted model's too) and name that file"
-        )
-
-
 def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Read a checkpoint on the CPU without executing code.
 
@@ -826,10 +805,9 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    _refuse_torchscript(path)
     try:
-        with warnings.catch_warnings():  # torch warns of a pickle protocol it did not write; the error says more
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        with warnings.catch_warnings():  # torch warns of what it did not write; the error says more
+            _quiet_foreign_file_warnings()
             with torch.serialization.safe_globals(_data_globals()):
                 data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -849,12 +827,21 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     return data
 
 
+def _quiet_foreign_file_warnings() -> None:
+    """Inside ``warnings.catch_warnings()``: leave out torch.load's warnings about a file it did not
+    write (a pickle protocol of its own, a TorchScript archive it hands to torch.jit.load); the
+    error the load then raises says what the file is (:func:`_unreadable_because`)."""
+    warnings.filterwarnings("ignore", message="Detected pickle protocol")
+    warnings.filterwarnings("ignore", message=".*looks like a TorchScript archive")
+
+
 def peek_checkpoint(path: Path) -> Dict[str, Any]:
     """A checkpoint's structure without reading its tensor data (tensors come back on the meta
     device); loads with weights_only, so a file carrying pickled code is refused, never run."""
-    _refuse_torchscript(Path(path))
     try:
-        data = torch.load(str(path), map_location="meta", weights_only=True, mmap=True)
+        with warnings.catch_warnings():
+            _quiet_foreign_file_warnings()
+            data = torch.load(str(path), map_location="meta", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - old formats cannot be mmapped; load_checkpoint explains real problems
         data = load_checkpoint(path)
     if not isinstance(data, dict):
@@ -896,6 +883,10 @@ def _unreadable_because(path: Path, error: Exception) -> str:
         return "is empty (0 bytes)"
     if head.startswith(b"PK"):  # torch.save's zip format, or another program's zip (np.savez, a zip of files)
         records = _zip_records(path)
+        if any(r.endswith("/constants.pkl") or "/code/" in r for r in records):  # holds data.pkl too
+            return (f"is a TorchScript archive (torch.jit.save), not a file of weights written by torch.save: it "
+                    f"is not read; save the model's weights with torch.save(model.state_dict(), path) (a scripted "
+                    f"model's too) and name that file ({size} bytes)")
         if records and not any(r.endswith("data.pkl") for r in records):
             return (f"is a zip archive that torch.save did not write (it holds {first_few(records, 3)}; np.savez "
                     f"writes such .npz files): save the weights with torch.save ({size} bytes)")
@@ -1410,16 +1401,20 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
             f"to the model it was trained with (e.g. RESNETS.DEPTH), or name those blocks in "
             f"config.MODEL.WEIGHTS_INIT.SKIP_LAYERS to leave them out"
         )
-    # the advice maps onto names this run would load: not SKIP_LAYERS, not heads it leaves out
+    # names this run would load: not SKIP_LAYERS, not heads it leaves out
     loadable = {k: v for k, v in own.items()
                 if not any(s in k for s in skip) and (loads_head_weights(model_cfg) or not k.startswith("heads."))}
-    advice = ("the file's classy_state_dict is mapped by its trunk/heads layout (REMOVE_PREFIX / APPEND_PREFIX do "
-              "not apply to it); set STATE_DICT_KEY_NAME to read another key of the file"
-              if layout_mapped else _prefix_advice(weights, loadable))
+
+    def advice() -> str:  # the end of the two errors below (the prefix search reads the file's names)
+        if layout_mapped:
+            return ("the file's classy_state_dict is mapped by its trunk/heads layout (REMOVE_PREFIX / APPEND_PREFIX "
+                    "do not apply to it); set STATE_DICT_KEY_NAME to read another key of the file")
+        return _prefix_advice(weights, loadable)
+
     if not loaded:
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: none of its {len(renamed)} weights match the model "
-            f"(first file key {next(iter(renamed), '-')!r}, first model key {next(iter(own), '-')!r}); {advice}"
+            f"(first file key {next(iter(renamed), '-')!r}, first model key {next(iter(own), '-')!r}); {advice()}"
         )
     # the heads loaded but not one trunk weight, though the file has trunk weights under other names
     # (a wrapper's prefix inside the trunk, 'trunk.module._feature_blocks...'): the run would train a
@@ -1430,7 +1425,7 @@ def init_model_from_weights(model: torch.nn.Module, model_cfg: Any,
         raise UserError(
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE {path}: none of its {len(trunk_unmatched)} trunk weights match "
             f"the model's (first file trunk key {trunk_unmatched[0]!r}, first model trunk key {trunk_own[0]!r}), "
-            f"only {len(counted)} head weights do: the trunk would train from its random init; {advice}"
+            f"only {len(counted)} head weights do: the trunk would train from its random init; {advice()}"
         )
     _refuse_non_finite(new_state, path)
     model.load_state_dict(new_state, strict=False)

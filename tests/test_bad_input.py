@@ -1507,13 +1507,16 @@ def test_the_demo_refuses_a_folder_it_cannot_make_before_it_starts(tmp_path):
     assert out.stdout == ""  # nothing started
 
 
-def test_a_working_folder_deleted_under_the_shell_is_one_line(tmp_path):
+@pytest.mark.parametrize("tool", ["run_distributed_engines.py", "demo.py"])
+def test_a_working_folder_deleted_under_the_shell_is_one_line(tmp_path, tool):
     """A shell left in a folder that was then deleted: importing torch there ended the tool with MKL's
-    "FATAL ERROR: Cannot load libtorch_cpu.so" (exit 2, no word of the cause)."""
+    "FATAL ERROR: Cannot load libtorch_cpu.so" (exit 2, no word of the cause); the demo, given a
+    relative --folder there, said "--folder=run cannot be reached: a loop of symbolic links"."""
     gone = tmp_path / "gone"
     gone.mkdir()
-    script = f"cd {gone} && rmdir {gone} && exec {sys.executable} {TOOL} config=quick/supervised_digits " \
-             f"config.CHECKPOINT.DIR={tmp_path / 'run'}"
+    args = (f"config=quick/supervised_digits config.CHECKPOINT.DIR={tmp_path / 'run'}"
+            if tool == "run_distributed_engines.py" else "--folder run")
+    script = f"cd {gone} && rmdir {gone} && exec {sys.executable} {Path(TOOL).parent / tool} {args}"
     out = subprocess.run(["bash", "-c", script], env=tool_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == ("error: the current folder no longer exists (it was deleted after this shell entered "

@@ -68,10 +68,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--folder", default="demo_run", help="where the run and the features go")
     args = parser.parse_args()
+    from ssl_engine.cli import check_working_folder
     from ssl_engine.config.validate import check_output_folder
     from ssl_engine.errors import UserError
 
     try:  # before anything starts: the folder is named as the user gave it, not as a run's CHECKPOINT.DIR
+        check_working_folder()  # a relative --folder in a deleted working folder is no link loop
         check_output_folder(args.folder, "--folder")
     except UserError as e:
         parser.exit(2, f"error: {e}\n")

@@ -964,7 +964,7 @@ def _free_form_sections() -> List[str]:
                 else:
                     found.append(f"{prefix}{k}")
 
-    walk(load_defaults(), "")
+    walk(_defaults_cached(DEFAULTS_FILE.stat().st_mtime_ns), "")  # read only: no copy per override
     return found
 
 

@@ -291,9 +291,12 @@ def _child(cfg: AttrDict, info: RankInfo, nproc: int, error_dir: str, parent_pid
     signal.signal(signal.SIGINT, signal.default_int_handler)
     quiet_killed_worker_echoes(rank=True)
     _route_preemption_signals()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_WHILE_STARTING)
     code = 0
     try:
+        # inside the try: a stop the launcher sent while this rank started (another rank failed
+        # at once) is raised by this call as KeyboardInterrupt, and reported as "interrupted"
+        # instead of escaping as multiprocessing's "Process rankN: Traceback"
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_WHILE_STARTING)
         from ssl_engine import startup_gc
 
         with startup_gc.paused():  # the engine's imports (see startup_gc)

@@ -13,6 +13,7 @@ import queue
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -1146,3 +1147,26 @@ def test_a_rank_that_died_of_a_signal_after_the_first_failure_does_not_take_its_
     group._seen_failed = [0, 1]  # seen ended together: a rank killed from outside comes first, as before
     group.cause = 1
     assert group._report() == 1
+
+
+def test_a_stop_sent_while_a_rank_starts_is_reported_not_a_traceback(tmp_path: Path) -> None:
+    """The launcher stops the other ranks (SIGINT) when one fails at once, e.g. rank 0 finding
+    RUN_ID's port taken; a rank still starting held SIGINT blocked, and unblocking it raised the
+    KeyboardInterrupt before the rank's try: multiprocessing printed "Process rank1: Traceback"
+    (seen under load in test_a_rendezvous_port_in_use_is_one_line). The rank now reports
+    "interrupted" like any stop."""
+    code = textwrap.dedent(f"""\
+        import os, signal
+        from ssl_engine import launch
+        from ssl_engine.config import compose
+        from ssl_engine.distributed import RankInfo
+        cfg = compose(["config=quick/supervised_digits", "config.MULTI_PROCESSING_METHOD=fork"])
+        signal.pthread_sigmask(signal.SIG_BLOCK, launch._HELD_WHILE_STARTING)  # as the launcher starts ranks
+        os.kill(os.getpid(), signal.SIGINT)  # the stop, pending until the rank unblocks it
+        launch._child(cfg, RankInfo(rank=1, local_rank=1, world_size=2), 2, {str(tmp_path)!r}, os.getppid())
+        """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=tool_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert (tmp_path / "rank1.err").read_text().splitlines()[1:] == ["130", "interrupted"]

@@ -34,6 +34,7 @@ import torch
 from ssl_engine.errors import (
     CheckpointError, UserError, closest, does_not_exist, first_few, folder_gone, is_url, url_error,
 )
+from ssl_engine.processes import pid_alive
 from ssl_engine.resume_state import non_finite_tensors, state_problem
 
 log = logging.getLogger(__name__)
@@ -143,25 +144,6 @@ def write_failure(path: Path, e: BaseException) -> Optional[CheckpointError]:
         os_error.errno, os_error.strerror or str(os_error)
     )
     return CheckpointError(f"cannot write {path.name} in {path.parent}: {why}; the previous files there are intact")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (as any user). A zombie (ended, not yet reaped by its parent)
-    does not: a launcher killed under a parent that has not waited for it yet is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc (macOS): ask the kernel whether the pid exists
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_temp_files(folder: Path) -> List[str]:

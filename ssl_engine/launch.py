@@ -124,7 +124,7 @@ def launcher_temp_dir(prefix: str, parent: Optional[str] = None) -> str:
     """
     import socket
 
-    from ssl_engine.checkpoint import pid_alive
+    from ssl_engine.processes import pid_alive
 
     mine = f"{prefix}{socket.gethostname()}_"
     base = parent or tempfile.gettempdir()
@@ -243,7 +243,7 @@ def _die_with_launcher(launcher_pid: int) -> None:
             poller.register(fd, select.POLLIN)
             poller.poll()  # readable once the launcher has ended
         else:
-            from ssl_engine.checkpoint import pid_alive
+            from ssl_engine.processes import pid_alive
 
             while pid_alive(launcher_pid):
                 time.sleep(1.0)

@@ -868,6 +868,8 @@ def test_pid_alive_counts_a_zombie_as_gone():
     import sys
     import time
 
+    from ssl_engine.processes import pid_alive
+
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         deadline = time.time() + 30
@@ -876,8 +878,8 @@ def test_pid_alive_counts_a_zombie_as_gone():
                 if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
                     break
             time.sleep(0.05)
-        assert not ck.pid_alive(child.pid)
-        assert ck.pid_alive(os.getpid())
+        assert not pid_alive(child.pid)
+        assert pid_alive(os.getpid())
     finally:
         child.wait()
-    assert not ck.pid_alive(child.pid)
+    assert not pid_alive(child.pid)

@@ -160,7 +160,7 @@ def _exit_when_gone(main_pid: int, every_s: float = 1.0) -> None:
     forkserver, not the training process; after a SIGKILL of the training process such workers
     (which ignore SIGTERM, see above) would otherwise live on, and keep the forkserver alive.
     """
-    from ssl_engine.checkpoint import pid_alive
+    from ssl_engine.processes import pid_alive
 
     while pid_alive(main_pid):
         time.sleep(every_s)

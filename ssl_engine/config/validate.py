@@ -1113,12 +1113,12 @@ def check_hook_output_folders(cfg: AttrDict) -> None:
     profiler's traces) can be made. The hooks make them at their first write, after the run had
     made its checkpoint folder, log.txt and train_config.yaml: a file in the way was found there."""
     from ssl_engine.hooks.profiler import profiling_folder
-    from ssl_engine.hooks.tensorboard import tensorboard_dir
+    from ssl_engine.hooks.tensorboard import events_in_checkpoint_dir, tensorboard_dir
 
     tb = cfg.HOOKS.TENSORBOARD_SETUP
     if tb.USE_TENSORBOARD:
-        key = "config.CHECKPOINT.DIR" if str(tb.LOG_DIR) in ("", ".") else "config.HOOKS.TENSORBOARD_SETUP.LOG_DIR"
-        given = cfg.CHECKPOINT.DIR if key == "config.CHECKPOINT.DIR" else tb.LOG_DIR
+        key, given = (("config.CHECKPOINT.DIR", cfg.CHECKPOINT.DIR) if events_in_checkpoint_dir(cfg)
+                      else ("config.HOOKS.TENSORBOARD_SETUP.LOG_DIR", tb.LOG_DIR))
         check_output_folder(tensorboard_dir(cfg), key, value=given)
     if cfg.PROFILING.RUNTIME_PROFILING.USE_PROFILER:
         check_output_folder(profiling_folder(cfg), "config.PROFILING.OUTPUT_FOLDER", value=cfg.PROFILING.OUTPUT_FOLDER)

@@ -26,10 +26,15 @@ _ITER_SCALARS = ("loss", "avg_loss", "lr", "data_time", "batch_time", "samples_p
 _RECORD_COUNTERS = ("iteration", "phase_idx", "train_phase_idx")
 
 
+def events_in_checkpoint_dir(cfg: Any) -> bool:
+    """Whether TENSORBOARD_SETUP.LOG_DIR leaves the events to CHECKPOINT.DIR ('' or '.')."""
+    return str(cfg.HOOKS.TENSORBOARD_SETUP.LOG_DIR) in ("", ".")
+
+
 def tensorboard_dir(cfg: Any) -> Path:
     """Where the events of a run go (see the module docstring)."""
     tb = cfg.HOOKS.TENSORBOARD_SETUP
-    if str(tb.LOG_DIR) in ("", "."):
+    if events_in_checkpoint_dir(cfg):
         return Path(cfg.CHECKPOINT.DIR) / "tb_logs"
     return Path(str(tb.LOG_DIR)).expanduser() / str(tb.EXPERIMENT_LOG_DIR) / "tb_logs"
 
